@@ -1,0 +1,38 @@
+# Two commands on a fresh machine (each creates .venv and installs what it needs):
+#   make train   -> set up, generate the embedded sample data, train the `tiny` ViT on CPU/GPU
+#   make test    -> set up and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TINY := data/tiny/stats/time_means.npy
+ERA5_SAMPLE_NC ?= ../shared/data/era5-levels-members.nc
+
+.PHONY: setup train test data era5_sample clean
+
+setup: $(STAMP)
+
+# torch first and pinned, so no other requirement pulls a different (CUDA) build
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[data,dev,dali]'
+	touch $@
+
+data: $(TINY)
+$(TINY): | $(STAMP)
+	$(BIN)/python -m tools.make_synthetic_data --out data/tiny --overwrite
+
+train: setup data
+	$(BIN)/python train.py --yaml_config config/ViT.yaml --config tiny --run_num 00
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+era5_sample: setup
+	$(BIN)/python -m tools.convert_era5 --input $(ERA5_SAMPLE_NC) --out data/era5_sample \
+		--variables t z --levels 850 500 --trim_to_multiple 4 --overwrite
+	$(BIN)/python train.py --config era5_sample --run_num 00
+
+clean:
+	rm -rf $(VENV) data runs

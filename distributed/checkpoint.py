@@ -1,0 +1,63 @@
+"""Saving and loading models however they are parallelized.
+
+* :func:`save_full_model`: one plain ``torch.save`` file with the single-GPU layout and names
+  (DDP/FSDP gathered, tensor/context-parallel slices reassembled), loadable with
+  ``VisionTransformer.load_state_dict(torch.load(path)["model"])`` without torch.distributed.
+* :func:`save_sharded` / :func:`load_sharded`: ``torch.distributed.checkpoint`` (DCP) folders
+  where every rank writes and reads only its own shards (model and optimizer).
+
+Files are written to a temporary name and renamed, so an interrupted save never replaces a
+good checkpoint with a truncated one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+
+def _is_tp(model: nn.Module) -> bool:
+    from distributed.parallelize import unwrap
+    return getattr(unwrap(model), "_tensor_context_parallel", False)
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict with the plain model's keys; collective: call on every rank."""
+    if _is_tp(model):
+        from distributed.parallelize import unwrap
+        from distributed.tensor_parallel import full_state_dict
+        return full_state_dict(unwrap(model))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_full_model(model: nn.Module, path: str | Path, extra: dict | None = None) -> None:
+    """Gather the full model and write ``{"model": state_dict, **extra}`` to ``path`` on rank 0."""
+    state = full_model_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": state, **(extra or {})}, tmp)
+    os.replace(tmp, path)
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
+    """Write model and optimizer shards with DCP into ``directory`` (collective)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
+    """Load shards written by :func:`save_sharded` into an identically parallelized model (collective)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -1,0 +1,194 @@
+"""Process wire-up: rank, world size and rendezvous from torchrun or SLURM, then the device mesh.
+
+Launchers:
+* ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+* ``srun`` (SLURM): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (or ``SLURM_NTASKS``),
+  ``SLURM_LOCALID``; master address = ``MASTER_ADDR`` or the first host of
+  ``SLURM_JOB_NODELIST``; port = ``MASTER_PORT`` or 29500 + job id mod 1000.
+* anything else: one process.
+
+The mesh has named dimensions ``dp_replicate, dp_shard, cp, tp`` laid out by
+``--parallel_order`` (innermost first, default ``tp-cp-dp``: tensor-parallel peers are
+adjacent ranks, i.e. on one node); ``dp`` is the flattened data-parallel dimension.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from utils.errors import UserError
+
+
+@dataclass
+class LaunchEnv:
+    """Where this process sits: ``rank`` in ``[0, world_size)``, ``local_rank`` on its node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"nid[001-004,010],gpu7"`` -> ``"nid001"``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise UserError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR explicitly")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def _int(environ, key: str) -> int:
+    try:
+        return int(environ[key])
+    except ValueError:
+        raise UserError(f"environment variable {key}={environ[key]!r} is not an integer") from None
+
+
+def detect_launch(environ=os.environ) -> LaunchEnv:
+    """Read the launcher's environment. Raises UserError when the variables are inconsistent."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        env = LaunchEnv(_int(environ, "RANK"), _int(environ, "WORLD_SIZE"), _int(environ, "LOCAL_RANK")
+                        if "LOCAL_RANK" in environ else 0,
+                        _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else 1,
+                        environ.get("MASTER_ADDR", "127.0.0.1"), int(environ.get("MASTER_PORT", 29500)),
+                        "torchrun")
+    elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
+        ntasks_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        if "MASTER_ADDR" in environ:
+            addr = environ["MASTER_ADDR"]
+        elif "SLURM_JOB_NODELIST" in environ:
+            addr = first_slurm_host(environ["SLURM_JOB_NODELIST"])
+        else:
+            raise UserError("SLURM launch without SLURM_JOB_NODELIST or MASTER_ADDR; export MASTER_ADDR")
+        job = int(environ.get("SLURM_JOB_ID", "0") or 0)
+        env = LaunchEnv(_int(environ, "SLURM_PROCID"), _int(environ, ntasks_key),
+                        _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+                        int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1),
+                        addr, int(environ.get("MASTER_PORT", 29500 + job % 1000)), "slurm")
+    else:
+        return LaunchEnv()
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise UserError(f"{env.launcher} gave rank {env.rank} with world size {env.world_size}; "
+                        "rank must be in [0, world size): check the launcher's variables")
+    if env.local_rank < 0 or env.local_rank > env.rank:
+        raise UserError(f"{env.launcher} gave local rank {env.local_rank} for rank {env.rank}; "
+                        "check LOCAL_RANK / SLURM_LOCALID")
+    return env
+
+
+@dataclass
+class World:
+    """This process's place in the job and its device mesh.
+
+    ``dp``, ``cp``, ``tp`` are the data-, context- and tensor-parallel sizes
+    (``dp * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard.
+    ``mesh`` is ``None`` for one process.
+    """
+
+    env: LaunchEnv
+    device: torch.device
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    dp_rank: int = 0
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def group(self, name: str):
+        """Process group of mesh dimension ``name`` (``dp``, ``cp``, ``tp``), or None if size 1."""
+        size = {"dp": self.dp, "cp": self.cp, "tp": self.tp}[name]
+        if self.mesh is None or size == 1:
+            return None
+        return self.mesh[name].get_group()
+
+
+def parallel_sizes(world_size: int, tp: int, cp: int) -> int:
+    """Data-parallel size ``world_size / (tp * cp)``. Raises UserError when it does not divide."""
+    if tp < 1 or cp < 1:
+        raise UserError(f"--tensor_parallel ({tp}) and --context_parallel ({cp}) must be >= 1")
+    if world_size % (tp * cp):
+        raise UserError(f"world size {world_size} is not divisible by tensor_parallel x context_parallel "
+                        f"= {tp} x {cp}; launch a multiple of {tp * cp} processes or change the sizes")
+    return world_size // (tp * cp)
+
+
+def hsdp_split(dp: int, shard: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of the data-parallel dimension for HSDP. Raises UserError if not divisible."""
+    if shard < 1 or dp % shard:
+        raise UserError(f"hsdp shard size {shard} must divide the data-parallel size {dp}; "
+                        "set --hsdp_shard_size (0 means GPUs per node)")
+    return dp // shard, shard
+
+
+def build_mesh(device_type: str, world_size: int, tp: int, cp: int, order: str, hsdp_shard: int) -> DeviceMesh:
+    """Device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order`` plus flattened ``dp``."""
+    dp = parallel_sizes(world_size, tp, cp)
+    rep, shard = hsdp_split(dp, hsdp_shard) if hsdp_shard else (1, dp)
+    sizes = {"tp": tp, "cp": cp, "dp_replicate": rep, "dp_shard": shard}
+    dims: list[str] = []
+    for name in reversed(order.split("-")):  # outermost first
+        dims += ["dp_replicate", "dp_shard"] if name == "dp" else [name]
+    mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
+    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    return mesh
+
+
+def init_distributed(params) -> World:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPU) and build the mesh.
+
+    One process per GPU: the device is ``cuda:<local_rank>``. Raises UserError when the
+    world size does not divide into tensor x context parallel, or the launcher's variables
+    are inconsistent.
+    """
+    env = detect_launch()
+    if torch.cuda.is_available():
+        if env.local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {env.local_rank} but only {torch.cuda.device_count()} GPUs visible; "
+                            "launch one process per GPU")
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    tp, cp = params.tensor_parallel, params.context_parallel
+    dp = parallel_sizes(env.world_size, tp, cp)
+    if env.world_size == 1:
+        return World(env, device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size,
+                                device_id=device if device.type == "cuda" else None)
+    shard = 0
+    if params.fsdp == "hsdp":
+        shard = params.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
+                                              else torch.cuda.device_count() or dp)
+    mesh = build_mesh(device.type, env.world_size, tp, cp, params.parallel_order, shard)
+    return World(env, device, dp, cp, tp, mesh["dp"].get_local_rank(), mesh)
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

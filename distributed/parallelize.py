@@ -1,0 +1,141 @@
+"""Apply parallelism and memory levers to a plain ``networks/vit.py`` model, in this order:
+
+1. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims;
+2. activation checkpointing (full, every k-th block, or an op-level selective policy);
+3. ``torch.compile`` (per block under FSDP so FSDP's hooks stay outside compiled code);
+4. data parallel over ``dp``: FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3, HSDP) or DDP.
+
+Also the hooks the training loop needs: gradient-sync suppression during accumulation and
+reduction of gradients of tensor/context-replicated parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from distributed.env import World
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Op-level selective checkpointing: keep the outputs of matmuls and attention (expensive to
+# recompute), recompute the cheap pointwise and normalization ops (most of the activation bytes).
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """Wrap ``model.blocks`` for activation checkpointing (in place).
+
+    ``mode``: ``full`` recomputes every block in backward; ``selective`` with ``every=k > 0``
+    checkpoints every k-th block, with ``every=0`` keeps matmul/attention outputs of every
+    block and recomputes the rest (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+    """
+    if mode == "none":
+        return
+    for i, block in enumerate(model.blocks):
+        if mode == "full" or (every > 0 and i % every == 0):
+            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif every == 0:
+            model.blocks[i] = checkpoint_wrapper(
+                block, preserve_rng_state=False,
+                context_fn=partial(create_selective_checkpoint_contexts, _op_policy))
+
+
+def apply_fsdp(model: nn.Module, params, world: World) -> None:
+    """Shard with FSDP2 ``fully_shard``: each block, then the root (in place).
+
+    ``zero3``/``hsdp`` free the gathered parameters after forward (re-gathered in backward);
+    ``zero2`` keeps them through backward (only gradients and optimizer state sharded).
+    ``hsdp`` shards within ``dp_shard`` and replicates across ``dp_replicate``.
+    ``fsdp_prefetch`` = n lets the next n blocks' all-gathers run ahead of compute
+    (``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``): more overlap,
+    more memory held; 0 keeps FSDP2's defaults (gather on use, backward implicit next-1).
+    """
+    mesh = world.mesh[("dp_replicate", "dp_shard")] if params.fsdp == "hsdp" else world.mesh["dp"]
+    param_dtype = AMP_DTYPES[params.amp_mode]
+    reduce_dtype = torch.float32 if params.fsdp_reduce_dtype == "fp32" else param_dtype
+    kwargs = dict(mesh=mesh, reshard_after_forward=params.fsdp != "zero2",
+                  mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    if params.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = list(model.blocks)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    n = params.fsdp_prefetch
+    if n > 0:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
+
+
+def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
+    """Return the model to train: parallelized, checkpointed, compiled and on ``world.device``."""
+    if world.tp > 1 or world.cp > 1:
+        from distributed.tensor_parallel import apply_tensor_context_parallel
+        apply_tensor_context_parallel(model, world.group("tp"), world.group("cp"))
+    apply_activation_checkpointing(model, params.activation_checkpointing, params.ac_every)
+    fsdp = params.fsdp != "none" and world.dp > 1
+    if params.enable_jit:
+        if fsdp:
+            for block in model.blocks:
+                block.compile(mode=_compile_mode(params))
+        else:
+            model.compile(mode=_compile_mode(params))
+    if fsdp:
+        apply_fsdp(model, params, world)
+    elif world.dp > 1:
+        model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
+                    process_group=world.group("dp"), bucket_cap_mb=params.bucket_cap_mb,
+                    broadcast_buffers=False, gradient_as_bucket_view=True,
+                    static_graph=params.ddp_static_graph)
+    return model
+
+
+def _compile_mode(params) -> str | None:
+    return None if params.compile_mode == "default" else params.compile_mode
+
+
+def gradient_sync(model: nn.Module, sync: bool):
+    """Context for one micro-step: gradients are reduced across ``dp`` only when ``sync``.
+
+    DDP: ``no_sync()``; FSDP2: ``set_requires_gradient_sync``; otherwise nothing to do.
+    """
+    if isinstance(model, DDP):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP (FSDP2 and compile modify modules in place)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def reduce_replicated_gradients(model: nn.Module) -> None:
+    """Sum gradients of parameters replicated over tensor/context-parallel peers (call before the
+    optimizer step); nothing to do without tensor/context parallelism."""
+    inner = unwrap(model)
+    if getattr(inner, "_tensor_context_parallel", False):
+        from distributed.tensor_parallel import reduce_replicated_gradients as reduce_tp
+        reduce_tp(inner)

@@ -1,0 +1,46 @@
+"""Run a test function on N CPU processes over gloo (torch.multiprocessing spawn)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, errq) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure.
+
+    ``fn`` must be importable (module level) because the workers are spawned.
+    """
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errq), nprocs=world_size,
+                           join=True, start_method="spawn")
+    except Exception as exc:
+        msg = errq.get() if not errq.empty() else str(exc)
+        raise AssertionError(msg) from None

@@ -1,0 +1,380 @@
+"""Tests of utils/config.py and config/ViT.yaml, plus the batch-size and lr-schedule helpers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from ruamel.yaml import YAML
+
+from utils.config import Params, load_params, parse_overrides
+from utils.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+YAML_PATH = REPO / "config" / "ViT.yaml"
+LADDER = [16, 32, 64, 128, 256, 512, 1024, 2048]
+NAMES = (["base", "short", "short_opt", "opt"] + [f"bs{n}_opt" for n in LADDER]
+         + ["mp", "vit_2b", "tiny", "era5_sample"])
+
+
+def load(name="base", **overrides):
+    return load_params(YAML_PATH, name, {k: v for k, v in overrides.items()})
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load("base")
+
+
+# ---------------------------------------------------------------- the named configs
+@pytest.mark.parametrize("name", NAMES)
+def test_every_named_config_loads(name, base):
+    p = load(name)
+    assert isinstance(p, Params)
+    assert p.config == name
+    # merge keys bring in every base key, and no config invents new ones
+    assert set(p) == set(base)
+    # the model it describes is valid
+    h, w = p.img_size
+    assert h % p.patch_size == 0 and w % p.patch_size == 0
+    assert p.embed_dim % p.num_heads == 0
+    assert p.n_in_channels == p.n_out_channels
+
+
+def test_yaml_has_exactly_the_expected_configs():
+    data = YAML(typ="safe", pure=True).load(YAML_PATH.read_text())
+    assert set(data) == set(NAMES)
+
+
+def test_base_values(base):
+    assert base.nettype == "VisionTransformer"
+    assert (base.embed_dim, base.depth, base.num_heads, base.patch_size) == (384, 12, 8, 8)
+    assert base.mlp_ratio == 4.0
+    assert base.n_in_channels == 20 and base.n_out_channels == 20
+    assert base.img_size == [360, 720]
+    assert base.global_batch_size == 16
+    assert base.local_batch_size is None
+    assert base.lr == pytest.approx(5e-4) and isinstance(base.lr, float)
+    assert base.betas == [0.9, 0.95]
+    assert base.lr_schedule == "cosine"
+    assert base.num_iters == 30000
+    assert base.dt == 1
+    assert base.limit_nsamples is None and base.limit_nsamples_val is None
+    assert base.amp_mode == "none" and base.enable_fused is False and base.enable_jit is False
+    assert base.grad_accum_steps == 1
+    assert base.run_num == "00"  # stays a string
+
+
+def test_attribute_access(base):
+    assert base.embed_dim == base["embed_dim"]
+    with pytest.raises(AttributeError):
+        base.no_such_key
+    p = load("base")
+    p.depth = 3
+    assert p["depth"] == 3
+
+
+def test_short_configs():
+    short = load("short")
+    assert (short.limit_nsamples, short.limit_nsamples_val, short.num_iters) == (512, 128, 128)
+    assert short.embed_dim == 384  # inherited from base
+    short_opt = load("short_opt")
+    assert (short_opt.limit_nsamples, short_opt.limit_nsamples_val, short_opt.num_iters) == (512, 128, 128)
+    for p in (short_opt, load("opt")):
+        assert p.data_loader_config == "dali"
+        assert p.amp_mode == "bf16"
+        assert p.enable_fused is True and p.enable_jit is True
+        assert p.num_data_workers == 8
+    assert load("opt").num_iters == 30000
+
+
+@pytest.mark.parametrize("n", LADDER)
+def test_batch_size_ladder(n):
+    p = load(f"bs{n}_opt")
+    assert p.global_batch_size == n
+    assert p.lr == pytest.approx(5e-4 * math.sqrt(n / 16), rel=0.01)
+    # same number of samples seen (same epochs): iterations scale as 16 / N
+    assert p.num_iters * n == pytest.approx(30000 * 16, rel=0.01)
+    assert p.amp_mode == "bf16" and p.data_loader_config == "dali"
+
+
+def vit_param_count(p) -> int:
+    """Parameters of networks/vit.py's VisionTransformer, counted from the config."""
+    d, c_in, c_out, k = p.embed_dim, p.n_in_channels, p.n_out_channels, p.patch_size
+    hidden = int(d * p.mlp_ratio)
+    n = (p.img_size[0] // k) * (p.img_size[1] // k)
+    embed = c_in * k * k * d + d + n * d
+    block = (2 * d  # norm1
+             + d * 3 * d + 3 * d  # qkv
+             + d * d + d  # proj
+             + 2 * d  # norm2
+             + d * hidden + hidden + hidden * d + d)  # mlp
+    head = 2 * d + d * c_out * k * k + c_out * k * k  # norm + head
+    return embed + p.depth * block + head
+
+
+def test_param_formula_matches_a_real_model():
+    from networks.vit import build_model
+
+    p = load("tiny")
+    assert vit_param_count(p) == sum(t.numel() for t in build_model(p).parameters())
+
+
+def test_vit_2b_size():
+    from networks.vit import build_model
+
+    p = load("vit_2b")
+    assert (p.embed_dim, p.depth, p.num_heads) == (2560, 24, 20)
+    assert p.activation_checkpointing == "full"
+    assert p.limit_nsamples == 512  # inherited from mp
+    n = vit_param_count(p)
+    assert 1.8e9 <= n <= 2.2e9
+    with torch.device("meta"):  # no memory: just shapes
+        model = build_model(p)
+    assert sum(t.numel() for t in model.parameters()) == n
+
+
+def test_mp_config():
+    p = load("mp")
+    assert p.embed_dim == 1024 and p.num_heads == 8
+    assert p.amp_mode == "bf16"  # from opt
+
+
+def test_tiny_and_sample_configs():
+    tiny = load("tiny")
+    assert tiny.img_size == [32, 64] and tiny.n_in_channels == 4 and tiny.patch_size == 4
+    assert tiny.data_loader_config == "pytorch" and tiny.amp_mode == "none"
+    sample = load("era5_sample")
+    assert sample.img_size == [60, 120]
+    assert sample.embed_dim == tiny.embed_dim and sample.n_in_channels == 4  # from tiny
+
+
+# ---------------------------------------------------------------- overrides
+def test_int_override():
+    p = load(depth="6", num_data_workers="2")
+    assert p.depth == 6 and type(p.depth) is int
+    assert p.num_data_workers == 2
+    assert load(depth="6.0").depth == 6  # integral floats are fine
+
+
+@pytest.mark.parametrize("raw,want", [("1e-3", 1e-3), ("0.002", 2e-3), ("3", 3.0), ("5.0E-4", 5e-4)])
+def test_float_override(raw, want):
+    p = load(lr=raw)
+    assert type(p.lr) is float
+    assert p.lr == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("raw,want", [("true", True), ("false", False), ("False", False), ("1", True),
+                                      ("0", False), ("yes", True), ("off", False)])
+def test_bool_override(raw, want):
+    assert load(enable_fused=raw).enable_fused is want
+
+
+def test_bare_flag_means_true():
+    ov = parse_overrides(["--enable_fused", "--depth", "3"])
+    assert ov == {"enable_fused": "true", "depth": "3"}
+    p = load_params(YAML_PATH, "base", ov)
+    assert p.enable_fused is True and p.depth == 3
+    # a flag followed by another option is still a flag
+    assert parse_overrides(["--enable_jit", "--enable_fused"]) == {"enable_jit": "true", "enable_fused": "true"}
+    # and false can be given explicitly, turning off what a config turned on
+    assert load_params(YAML_PATH, "opt", parse_overrides(["--enable_jit", "false"])).enable_jit is False
+
+
+@pytest.mark.parametrize("raw", ["[180,360]", "180,360", "[180, 360]"])
+def test_list_override(raw):
+    p = load(img_size=raw)
+    assert p.img_size == [180, 360]
+    assert all(type(v) is int for v in p.img_size)
+
+
+def test_float_list_override():
+    assert load(betas="0.8,0.99").betas == [0.8, 0.99]
+
+
+def test_nullable_int_override():
+    assert load(limit_nsamples="100").limit_nsamples == 100
+    assert load(limit_nsamples="null").limit_nsamples is None
+    assert load(local_batch_size="4").local_batch_size == 4
+    assert load(local_batch_size="none").local_batch_size is None
+
+
+def test_nullable_key_can_be_reset_to_null_where_a_config_sets_it():
+    # short sets limit_nsamples: 512; --limit_nsamples null must bring back "all samples"
+    p = load("short", limit_nsamples="null")
+    assert p.limit_nsamples is None
+    assert load("short", limit_nsamples="64").limit_nsamples == 64
+
+
+def test_string_overrides():
+    assert load(run_num="7").run_num == "7"
+    assert load(plot_channel="t850").plot_channel == "t850"
+    assert load(amp_mode="bf16").amp_mode == "bf16"
+
+
+def test_key_equals_value_form():
+    ov = parse_overrides(["--lr=1e-3", "--img_size=[180,360]", "--local-batch-size=2"])
+    assert ov == {"lr": "1e-3", "img_size": "[180,360]", "local_batch_size": "2"}
+    p = load_params(YAML_PATH, "base", ov)
+    assert p.lr == pytest.approx(1e-3) and p.img_size == [180, 360] and p.local_batch_size == 2
+
+
+def test_overrides_do_not_leak_between_loads():
+    load(depth="3")
+    assert load().depth == 12
+
+
+# ---------------------------------------------------------------- errors
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(UserError, match="unknown config key --embed_dm") as exc:
+        load(embed_dm="3")
+    assert "did you mean" in str(exc.value) and "embed_dim" in str(exc.value)
+    with pytest.raises(UserError, match="did you mean.*lr_schedule"):
+        load(lr_schedul="constant")
+
+
+@pytest.mark.parametrize("key,raw,pattern", [
+    ("depth", "abc", "--depth expects int"),
+    ("depth", "6.5", "--depth expects int"),
+    ("depth", "true", "--depth expects int"),
+    ("lr", "fast", "--lr expects float"),
+    ("enable_fused", "maybe", "--enable_fused expects true or false"),
+    ("img_size", "[1,2,3]", "--img_size expects a list of 2"),
+    ("img_size", "360", "--img_size expects a list of 2"),
+    ("img_size", "[a,b]", "--img_size expects int"),
+    ("limit_nsamples", "lots", "--limit_nsamples expects int"),
+])
+def test_wrong_type(key, raw, pattern):
+    with pytest.raises(UserError, match=pattern):
+        load(**{key: raw})
+
+
+@pytest.mark.parametrize("key,raw", [("amp_mode", "fp8"), ("lr_schedule", "linear"), ("fsdp", "zero1"),
+                                     ("data_loader_config", "ffcv")])
+def test_bad_choice(key, raw):
+    with pytest.raises(UserError, match=f"--{key} must be one of") as exc:
+        load(**{key: raw})
+    assert raw in str(exc.value)
+
+
+def test_unknown_config_name():
+    with pytest.raises(UserError, match="'tinyy' not in") as exc:
+        load("tinyy")
+    msg = str(exc.value)
+    assert "did you mean tiny" in msg
+    assert "available:" in msg and "vit_2b" in msg
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_params(tmp_path / "nope.yaml", "base")
+
+
+def test_malformed_yaml_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: [1, 2\n  x: {")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_params(bad, "base")
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("- a\n- b\n")
+    with pytest.raises(UserError, match="must map config names"):
+        load_params(flat, "base")
+
+
+def test_bad_command_line_arguments():
+    with pytest.raises(UserError, match="unexpected argument 'lr'"):
+        parse_overrides(["lr", "1e-3"])
+    with pytest.raises(UserError, match="unexpected argument"):
+        parse_overrides(["--"])
+
+
+# ---------------------------------------------------------------- to_yaml
+@pytest.mark.parametrize("name", ["base", "vit_2b", "tiny"])
+def test_to_yaml_round_trip(name):
+    p = load(name, img_size="[16,32]", lr="1e-3", limit_nsamples="null", enable_fused="true")
+    text = p.to_yaml()
+    back = YAML(typ="safe", pure=True).load(text)
+    assert back == dict(p)
+    assert back["run_num"] == "00" and back["img_size"] == [16, 32] and back["limit_nsamples"] is None
+    # types survive too (str "00" stays a str, floats stay floats)
+    assert all(type(back[k]) is type(p[k]) for k in p)
+
+
+# ---------------------------------------------------------------- batch_sizes and lr_lambda
+@pytest.fixture(scope="module")
+def trainer_mod():
+    from utils import trainer
+
+    return trainer
+
+
+@pytest.mark.parametrize("overrides,dp,want", [
+    ({}, 1, (16, 16)),
+    ({}, 4, (4, 16)),
+    ({}, 16, (1, 16)),
+    ({"global_batch_size": "64", "grad_accum_steps": "2"}, 4, (8, 64)),
+    ({"grad_accum_steps": "4"}, 2, (2, 16)),
+    ({"local_batch_size": "5"}, 3, (5, 15)),  # local wins, even where global would not divide
+    ({"local_batch_size": "3", "grad_accum_steps": "2"}, 2, (3, 12)),
+])
+def test_batch_sizes(trainer_mod, overrides, dp, want):
+    p = load(**overrides)
+    local, glob = trainer_mod.batch_sizes(p, dp)
+    assert (local, glob) == want
+    assert glob == local * dp * p.grad_accum_steps
+
+
+@pytest.mark.parametrize("overrides,dp", [({}, 3), ({}, 32), ({"grad_accum_steps": "3"}, 1),
+                                          ({"grad_accum_steps": "4"}, 8)])
+def test_batch_sizes_not_divisible(trainer_mod, overrides, dp):
+    with pytest.raises(UserError, match="not divisible") as exc:
+        trainer_mod.batch_sizes(load(**overrides), dp)
+    assert "--local_batch_size" in str(exc.value)
+
+
+def test_batch_sizes_rejects_zero_accumulation(trainer_mod):
+    with pytest.raises(UserError, match="grad_accum_steps must be >= 1"):
+        trainer_mod.batch_sizes(load(grad_accum_steps="0"), 1)
+
+
+def test_lr_warmup_then_cosine(trainer_mod):
+    p = load(warmup="10", num_iters="110", lr_schedule="cosine")
+    f = trainer_mod.lr_lambda(p)
+    # linear warmup reaching 1 at the end of warmup
+    assert [f(s) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.5)  # half-way through the decay
+    assert f(35) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.25)))
+    decay = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    assert f(109) < 1e-3
+    assert f(110) == pytest.approx(0.0, abs=1e-12)
+    assert f(500) == pytest.approx(0.0, abs=1e-12)  # stays at 0 past the end
+
+
+def test_lr_cosine_without_warmup(trainer_mod):
+    f = trainer_mod.lr_lambda(load(num_iters="100"))
+    assert f(0) == pytest.approx(1.0)
+    assert f(50) == pytest.approx(0.5)
+    assert f(100) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_lr_constant(trainer_mod):
+    f = trainer_mod.lr_lambda(load(lr_schedule="constant", warmup="4", num_iters="100"))
+    assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
+    assert all(f(s) == 1.0 for s in (4, 50, 99, 100, 1000))
+
+
+def test_lr_lambda_drives_lambda_lr(trainer_mod):
+    p = load(warmup="2", num_iters="10", lr="1e-2")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, trainer_mod.lr_lambda(p))
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(5e-3) and lrs[1] == pytest.approx(1e-2)
+    assert lrs[-1] < 1e-3 * 0.5

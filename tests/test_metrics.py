@@ -1,0 +1,192 @@
+"""Tests of utils/metrics.py against plain NumPy reference implementations (float64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from utils.metrics import latitude_weights, relative_l2_loss, weighted_acc_channels, weighted_rmse_channels
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- references
+def ref_relative_l2(pred: np.ndarray, target: np.ndarray) -> float:
+    vals = []
+    for p, t in zip(pred, target):
+        d = (p - t).ravel()
+        vals.append(np.sqrt(np.sum(d * d)) / np.sqrt(np.sum(t.ravel() ** 2)))
+    return float(np.mean(vals))
+
+
+def ref_latitude_weights(lat_deg: np.ndarray) -> np.ndarray:
+    c = np.array([max(0.0, np.cos(np.pi * x / 180.0)) for x in lat_deg])
+    return c / c.mean()
+
+
+def ref_weighted_rmse(pred, target, w):
+    b, c, h, wd = pred.shape
+    out = np.zeros((b, c))
+    for i in range(b):
+        for j in range(c):
+            acc = 0.0
+            for k in range(h):
+                acc += w[k] * np.sum((pred[i, j, k] - target[i, j, k]) ** 2)
+            out[i, j] = np.sqrt(acc / (h * wd))
+    return out
+
+
+def ref_weighted_acc(pred, target, clim, w):
+    b, c, h, _ = pred.shape
+    out = np.zeros((b, c))
+    for i in range(b):
+        for j in range(c):
+            a = pred[i, j] - clim[0, j]
+            t = target[i, j] - clim[0, j]
+            ww = w[:, None]
+            out[i, j] = np.sum(ww * a * t) / np.sqrt(np.sum(ww * a * a) * np.sum(ww * t * t))
+    return out
+
+
+def rand(rng, *shape):
+    """float32-representable random values, as float64 (so both sides see identical inputs)."""
+    return rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+
+
+# ---------------------------------------------------------------- relative L2
+def test_relative_l2_matches_reference():
+    rng = np.random.default_rng(0)
+    pred, target = rand(rng, 3, 2, 5, 7), rand(rng, 3, 2, 5, 7) + 0.5
+    got = relative_l2_loss(torch.from_numpy(pred), torch.from_numpy(target))
+    assert got.ndim == 0
+    np.testing.assert_allclose(got.item(), ref_relative_l2(pred, target), **TOL)
+
+
+def test_relative_l2_is_per_sample_mean_not_global_ratio():
+    # sample 0 has a tiny target norm: a global ratio would hide its large relative error
+    target = torch.stack([torch.full((1, 2, 2), 0.01), torch.full((1, 2, 2), 10.0)])
+    pred = target + 0.01
+    got = relative_l2_loss(pred, target).item()
+    assert got == pytest.approx((1.0 + 0.001) / 2, rel=1e-4)
+
+
+def test_relative_l2_zero_for_identical_and_scale_invariant():
+    rng = np.random.default_rng(1)
+    t = torch.from_numpy(rand(rng, 2, 3, 4, 4)).float()
+    assert relative_l2_loss(t, t).item() == 0.0
+    p = t + 0.1 * torch.randn_like(t)
+    assert relative_l2_loss(5 * p, 5 * t).item() == pytest.approx(relative_l2_loss(p, t).item(), rel=1e-5)
+
+
+def test_relative_l2_under_bf16_inputs_is_fp32():
+    t = torch.randn(2, 3, 4, 4).bfloat16()
+    p = (t.float() + 0.1).bfloat16()
+    out = relative_l2_loss(p, t)
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.item(), ref_relative_l2(p.double().numpy(), t.double().numpy()), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- latitude weights
+@pytest.mark.parametrize("lat", [np.linspace(90, -90, 19), np.linspace(88.5, -88.5, 60),
+                                 np.array([10.0, 20.0, 45.0, 70.0])])
+def test_latitude_weights_match_reference(lat):
+    w = latitude_weights(lat)
+    assert w.dtype == torch.float32 and w.shape == (len(lat),)
+    np.testing.assert_allclose(w.numpy(), ref_latitude_weights(lat), **TOL)
+    assert w.double().mean().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_latitude_weights_symmetric_grid():
+    lat = np.linspace(90, -90, 37)
+    w = latitude_weights(lat).numpy()
+    np.testing.assert_allclose(w, w[::-1], rtol=0, atol=1e-7)
+    assert w.mean() == pytest.approx(1.0, abs=1e-6)
+    assert np.all(w >= 0)
+    assert w[0] == pytest.approx(0.0, abs=1e-6) and w[-1] == pytest.approx(0.0, abs=1e-6)  # poles
+    assert np.argmax(w) == 18  # equator
+    assert w[18] > 1.0
+
+
+# ---------------------------------------------------------------- RMSE
+def test_weighted_rmse_matches_reference():
+    rng = np.random.default_rng(2)
+    pred, target = rand(rng, 2, 3, 6, 5), rand(rng, 2, 3, 6, 5)
+    lat = np.linspace(80, -80, 6)
+    w = latitude_weights(lat)
+    got = weighted_rmse_channels(torch.from_numpy(pred), torch.from_numpy(target), w)
+    assert got.shape == (2, 3) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), ref_weighted_rmse(pred, target, w.double().numpy()), **TOL)
+
+
+def test_weighted_rmse_zero_for_identical_and_unweighted_case():
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rand(rng, 2, 2, 4, 3))
+    w = latitude_weights(np.linspace(60, -60, 4))
+    assert torch.count_nonzero(weighted_rmse_channels(x, x, w)) == 0
+    # with unit weights it is the plain RMSE; a constant error e gives RMSE |e|
+    ones = torch.ones(4)
+    np.testing.assert_allclose(weighted_rmse_channels(x + 0.25, x, ones).numpy(), 0.25, rtol=1e-5)
+    np.testing.assert_allclose(weighted_rmse_channels(x - 0.25, x, w).numpy(), 0.25, rtol=1e-5)
+
+
+def test_weighted_rmse_downweights_polar_errors():
+    h = 9
+    w = latitude_weights(np.linspace(90, -90, h))
+    t = torch.zeros(1, 1, h, 4)
+    pole, eq = t.clone(), t.clone()
+    pole[..., 0, :] = 1.0  # error only on the north-pole row (weight 0)
+    eq[..., h // 2, :] = 1.0  # error only on the equator row
+    assert weighted_rmse_channels(pole, t, w).item() == pytest.approx(0.0, abs=1e-4)
+    assert weighted_rmse_channels(eq, t, w).item() > weighted_rmse_channels(eq, t, torch.ones(h)).item()
+
+
+# ---------------------------------------------------------------- ACC
+def test_weighted_acc_matches_reference():
+    rng = np.random.default_rng(4)
+    pred, target, clim = rand(rng, 3, 2, 6, 8), rand(rng, 3, 2, 6, 8), rand(rng, 1, 2, 6, 8)
+    target = 0.6 * pred + 0.4 * target  # correlated, so the values are not all near 0
+    w = latitude_weights(np.linspace(75, -75, 6))
+    got = weighted_acc_channels(torch.from_numpy(pred), torch.from_numpy(target),
+                                torch.from_numpy(clim).float(), w)
+    assert got.shape == (3, 2) and got.dtype == torch.float32
+    ref = ref_weighted_acc(pred, target, clim, w.double().numpy())
+    np.testing.assert_allclose(got.numpy(), ref, **TOL)
+    assert np.all(np.abs(got.numpy()) <= 1 + 1e-6)
+
+
+def test_weighted_acc_is_one_for_perfect_and_minus_one_for_negated_anomaly():
+    rng = np.random.default_rng(5)
+    target = torch.from_numpy(rand(rng, 2, 3, 5, 4)).float()
+    clim = torch.from_numpy(rand(rng, 1, 3, 5, 4)).float()
+    w = latitude_weights(np.linspace(60, -60, 5))
+    assert (target - clim).abs().sum(dim=(-2, -1)).min() > 0.1  # anomalies non-zero in every channel
+    perfect = weighted_acc_channels(target, target, clim, w)
+    np.testing.assert_allclose(perfect.numpy(), 1.0, atol=1e-5)
+    negated = clim - (target - clim)
+    np.testing.assert_allclose(weighted_acc_channels(negated, target, clim, w).numpy(), -1.0, atol=1e-5)
+    # ACC ignores the amplitude of the anomaly
+    scaled = clim + 3.0 * (target - clim)
+    np.testing.assert_allclose(weighted_acc_channels(scaled, target, clim, w).numpy(), 1.0, atol=1e-5)
+
+
+def test_weighted_acc_uses_anomalies_not_raw_fields():
+    # pred == climatology + noise, target == climatology + other noise: raw fields correlate
+    # strongly through the shared climatology, but the anomalies do not
+    rng = np.random.default_rng(6)
+    h, wd = 16, 32
+    clim = torch.from_numpy(100 * rand(rng, 1, 1, h, wd)).float()
+    pred = clim + torch.from_numpy(rand(rng, 1, 1, h, wd)).float()
+    target = clim + torch.from_numpy(rand(rng, 1, 1, h, wd)).float()
+    w = torch.ones(h)
+    assert abs(weighted_acc_channels(pred, target, clim, w).item()) < 0.3
+    zero = torch.zeros_like(clim)
+    assert weighted_acc_channels(pred, target, zero, w).item() > 0.99
+
+
+def test_weighted_acc_zero_anomaly_is_finite():
+    clim = torch.randn(1, 2, 4, 4)
+    target = clim + torch.randn(1, 2, 4, 4)
+    out = weighted_acc_channels(clim.clone(), target, clim, torch.ones(4))
+    assert torch.isfinite(out).all()
+    assert torch.count_nonzero(out) == 0

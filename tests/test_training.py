@@ -1,0 +1,124 @@
+"""End-to-end training on CPU: the tiny run learns, logs, checkpoints; bad input fails cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from networks.vit import VisionTransformer, build_model
+from tests.dist_utils import run_distributed
+from tests.train_utils import assert_state_close, tiny_params, train_checkpoint, train_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_run_learns_and_logs(tiny_data, tmp_path):
+    params = tiny_params(tiny_data, tmp_path, num_iters=60, valid_every=1)
+    sd = train_checkpoint(params)
+    run_dir = tmp_path / "tiny" / "1GPU" / "00"
+    log_text = (run_dir / "out.log").read_text()
+    assert "memory: peak RSS" in log_text and "samples/s" in log_text
+    assert (run_dir / "config.yaml").is_file()
+    acc = EventAccumulator(str(run_dir)).Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("loss/train", "loss/valid", "RMSE(u10m)/valid", "ACC(t2m)/valid", "RMSE(u10m)/persistence",
+                "lr", "perf/samples_per_s", "memory/peak_rss"):
+        assert tag in tags, tag
+    valid = [e.value for e in acc.Scalars("loss/valid")]
+    assert len(valid) >= 3 and valid[-1] < 0.7 * valid[0], valid
+    assert any(t.startswith("prediction(") for t in acc.Tags()["images"])
+    model = build_model(params)
+    model.load_state_dict(sd)  # the checkpoint is the plain single-device layout
+
+
+def test_grad_accumulation_equals_larger_batch(tiny_data, tmp_path):
+    one = train_checkpoint(tiny_params(tiny_data, tmp_path / "a", num_iters=4, global_batch_size=8))
+    accum = train_checkpoint(tiny_params(tiny_data, tmp_path / "b", num_iters=4, global_batch_size=8,
+                                         grad_accum_steps=2))
+    assert_state_close(one, accum, atol=1e-5)
+
+
+def test_bf16_and_fused_and_clipping_run(tiny_data, tmp_path):
+    sd = train_checkpoint(tiny_params(tiny_data, tmp_path, num_iters=6, amp_mode="bf16", enable_fused="true",
+                                      max_grad_norm=1.0))
+    assert all(torch.isfinite(v).all() for v in sd.values())
+
+
+def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path):
+    overrides = {"num_iters": 5, "global_batch_size": 8}
+    single = train_checkpoint(tiny_params(tiny_data, tmp_path / "single", **overrides))
+    run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "ddp"), overrides)
+    ddp = torch.load(tmp_path / "ddp" / "tiny" / "2GPU" / "00" / "checkpoints" / "model.pt")["model"]
+    assert_state_close(single, ddp, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input through the CLI
+def _cli(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _assert_clean_error(proc, *needles):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def _copy_data(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--lrr", "1e-3"], ["unknown config key --lrr", "did you mean lr"]),
+    (["--num_iters", "many"], ["--num_iters expects int"]),
+    (["--config", "tinyy"], ["did you mean tiny"]),
+    (["--data_path", "/nonexistent/era5"], ["/nonexistent/era5/train does not exist", "--data_path"]),
+])
+def test_cli_config_and_path_errors(tmp_path, args, needles):
+    _assert_clean_error(_cli("--expdir", str(tmp_path), *args), *needles)
+
+
+def test_cli_data_errors(tiny_data, tmp_path):
+    base = ["--expdir", str(tmp_path / "runs")]
+    _assert_clean_error(_cli(*base, "--data_path", str(tiny_data), "--img_size", "[64,64]"),
+                        "larger than the 32x64 grid")
+    _assert_clean_error(_cli(*base, "--data_path", str(tiny_data), "--n_in_channels", "5", "--n_out_channels", "5"),
+                        "has 4 channels", "--n_in_channels 4")
+    bad = _copy_data(tiny_data, tmp_path / "nofields")
+    first = sorted((bad / "train").glob("*.h5"))[0]
+    with h5py.File(first, "r+") as f:
+        f.move("fields", "data")
+    _assert_clean_error(_cli(*base, "--data_path", str(bad)), "has no 'fields' dataset")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _assert_clean_error(_cli("--expdir", str(blocker / "sub"), "--data_path", str(tiny_data)),
+                        "cannot write to run directory")
+
+
+def test_cli_nan_in_data_names_step_and_file(tiny_data, tmp_path):
+    bad = _copy_data(tiny_data, tmp_path / "nan")
+    files = sorted((bad / "train").glob("*.h5"))
+    with h5py.File(files[1], "r+") as f:
+        f["fields"][3, 0, 5, 5] = np.nan
+    proc = _cli("--expdir", str(tmp_path / "runs"), "--data_path", str(bad), "--num_iters", "40")
+    _assert_clean_error(proc, "NaN/Inf in the training data at step", f"train/{files[1].name} time")
+
+
+def test_cli_nan_loss_is_reported(tiny_data, tmp_path):
+    proc = _cli("--expdir", str(tmp_path / "runs"), "--data_path", str(tiny_data), "--lr", "1e12",
+                "--num_iters", "40")
+    _assert_clean_error(proc, "loss became NaN/Inf at step", "--lr")

@@ -1,0 +1,317 @@
+"""Generate a small synthetic ERA5-like dataset in the layout of ``tools/era5_layout.py``.
+
+Each channel is an analytic function of position and time:
+
+* a latitude-dependent background (warm tropics / cold poles, jets, subtropical highs) with a
+  small seasonal shift and a stationary longitude pattern ("continents"),
+* a few smooth large-scale waves ``cos(phi)^m cos(n phi + chi) cos(m (lambda - omega t) + psi)``
+  advected eastward at a channel-dependent speed ``omega`` (faster aloft),
+* a diurnal heating bump that follows the sun (period ``24 / dt_hours`` steps),
+
+scaled to plausible physical magnitudes (K, m^2/s^2, m/s, Pa, %, kg/m^2) so that normalization
+matters. The dynamics are shared by all files while wave phases differ per file, so a model
+that learns advection and the diurnal cycle beats persistence on unseen (validation) years.
+
+Usage::
+
+    python -m tools.make_synthetic_data --out data/synthetic
+    python -m tools.make_synthetic_data --out data/era5_like --channels 20 --img_size 360 720 \\
+        --train_years 1 --steps_per_year 520 --valid_years 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tools import era5_layout as layout
+from utils.errors import UserError
+
+# the 20 channels of the NERSC ViT/ERA5 tutorial, in its order
+BASE_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
+                 "v850", "z850", "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv")
+# more pressure-level channels for C > 20, in this order (level-major)
+EXTRA_LEVELS = (925, 700, 600, 400, 300, 250, 200, 150, 100)
+EXTRA_VARIABLES = ("z", "t", "u", "v", "r")
+
+START_YEAR = 2000
+N_WAVES = 4  # travelling waves per file
+BLOCK_BYTES = 256 * 2 ** 20  # time steps generated (and held) at once, in bytes of float32
+G = 9.80665  # m/s^2, to turn heights into geopotential
+
+
+def channel_names(n_channels: int) -> list[str]:
+    """ERA5-like names for ``n_channels`` channels: the tutorial's 20, then more pressure levels.
+
+    Raises:
+        LayoutError: ``n_channels < 1`` or more than the available names.
+    """
+    names = list(BASE_CHANNELS)
+    names += [f"{v}{lev}" for lev in EXTRA_LEVELS for v in EXTRA_VARIABLES if f"{v}{lev}" not in names]
+    if not 1 <= n_channels <= len(names):
+        raise layout.LayoutError(f"--channels must be between 1 and {len(names)}, got {n_channels}")
+    return names[:n_channels]
+
+
+@dataclass(frozen=True)
+class ChannelClimate:
+    """Physical scales of one channel (all in the channel's units, e.g. K or m^2/s^2)."""
+
+    name: str
+    pressure: float  # hPa; 1000 for near-surface and column channels
+    wave_amp: float  # RMS-like amplitude of the travelling waves
+    diurnal_amp: float  # peak of the heating bump
+    speed: float  # eastward advection, degrees longitude per day
+
+
+def _pressure(name: str) -> tuple[str, float]:
+    """Split ``t850`` -> (``t``, 850.); surface names (``t2m``, ``u10m``, ``sp``) get 1000 hPa."""
+    m = re.fullmatch(r"([a-z]+?)(\d+)(m?)", name)
+    if m is None:
+        return name, 1000.0
+    return m.group(1), 1000.0 if m.group(3) else float(m.group(2))
+
+
+def _wave_and_diurnal(var: str, p: float, z_mean: float) -> tuple[float, float]:
+    surf = (p / 1000.0) ** 6  # the diurnal cycle is a boundary-layer effect
+    return {
+        "t": (3.0, 4.0 * surf),
+        "z": (0.02 * z_mean + 200.0, 0.001 * z_mean),
+        "u": (6.0 + 6.0 * (1 - p / 1000), 1.0 * surf),
+        "v": (6.0 + 6.0 * (1 - p / 1000), 0.8 * surf),
+        "sp": (600.0, 100.0),
+        "msl": (800.0, 100.0),
+        "r": (7.0, 3.0 * (p / 1000) ** 2),
+        "tcwv": (4.0, 1.0),
+    }.get(var, (1.0, 0.2))
+
+
+def _z_mean(p: float) -> float:
+    return G * 7400.0 * np.log(1013.25 / p)  # isothermal atmosphere, 7.4 km scale height
+
+
+def _background(var: str, p: float, phi: np.ndarray) -> np.ndarray:
+    """Zonal-mean climate as a function of latitude ``phi`` (radians, any shape)."""
+    s2, c2 = np.sin(phi) ** 2, np.cos(phi) ** 2
+    if var == "t":
+        t_eq = 300.0 * (p / 1000.0) ** 0.19
+        return t_eq - (45.0 * (p / 1000.0) ** 0.5 + 5.0) * s2
+    if var == "z":
+        zm = _z_mean(p)
+        return zm + (0.1 * zm + 300.0) * (c2 - 0.5)
+    if var == "u":  # westerly jets at mid-latitudes, easterly trades
+        return (8.0 + 22.0 * (1 - p / 1000)) * np.sin(2 * phi) ** 2 - 5.0 * c2 ** 4
+    if var == "sp":
+        return 98500.0 - 2500.0 * s2 - 700.0 * np.cos(6 * phi)
+    if var == "msl":  # subtropical highs, subpolar lows
+        return 101300.0 - 700.0 * np.cos(6 * phi)
+    if var == "r":
+        return 60.0 + 15.0 * np.cos(2 * phi)
+    if var == "tcwv":
+        return 5.0 + 40.0 * c2 ** 2
+    return np.zeros_like(phi)  # v and unknown variables
+
+
+def channel_climate(name: str, rng: np.random.Generator) -> ChannelClimate:
+    """Scales of channel ``name``; ``rng`` adds a small per-channel jitter to the speed."""
+    var, p = _pressure(name)
+    wave, diurnal = _wave_and_diurnal(var, p, _z_mean(p))
+    speed = 5.0 + 15.0 * (1 - p / 1000) + rng.uniform(-1.0, 1.0)  # deg/day, faster aloft
+    return ChannelClimate(name, p, wave, diurnal, speed)
+
+
+def grid(img_size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """ERA5-style grid: latitude (H,) from 90 down to -90 + 180/H, longitude (W,) from 0 by 360/W.
+
+    Both float64 degrees; the south pole row is left out like the tutorial's 720x1440 ERA5 crop.
+    """
+    h, w = img_size
+    return 90.0 - np.arange(h) * (180.0 / h), np.arange(w) * (360.0 / w)
+
+
+class SyntheticFile:
+    """The analytic fields of one file (year): per-file wave phases, dataset-wide climate.
+
+    Args:
+        climates: C channel climates (shared by all files).
+        stationary: (C, H, W) stationary longitude pattern (shared by all files).
+        lat, lon: grid in degrees.
+        rng: per-file generator for the wave modes and phases.
+        t0_hours: hours since ``START_YEAR``-01-01T00 of the file's first step.
+        dt_hours: hours between steps.
+    """
+
+    def __init__(self, climates, stationary, lat, lon, rng, t0_hours, dt_hours):
+        self.climates, self.stationary = climates, stationary
+        self.phi, self.lam = np.deg2rad(lat), np.deg2rad(lon)
+        self.t0, self.dt = t0_hours, dt_hours
+        c, k = len(climates), N_WAVES
+        m_max = max(1, min(8, lon.size // 8))  # keep waves >= 8 grid cells long
+        self.m = rng.integers(1, m_max + 1, size=k)
+        n = rng.integers(1, 5, size=k)
+        chi, self.psi = rng.uniform(0, 2 * np.pi, size=(2, k))
+        # latitude structure of each wave: vanishes at the poles, smooth everywhere
+        self.lat_modes = np.cos(self.phi)[:, None] ** self.m * np.cos(n * self.phi[:, None] + chi)  # (H, K)
+        weights = rng.normal(size=(c, k))
+        weights *= np.sqrt(2.0) / np.linalg.norm(weights, axis=1, keepdims=True)  # RMS ~ wave_amp
+        self.amps = weights * np.array([cl.wave_amp for cl in climates])[:, None]  # (C, K)
+
+    def block(self, start: int, stop: int) -> np.ndarray:
+        """Time steps ``start .. stop - 1`` as float32 (n, C, H, W)."""
+        t = self.t0 + self.dt * np.arange(start, stop, dtype=np.float64)  # hours
+        out = np.empty((t.size, len(self.climates), self.phi.size, self.lam.size), dtype=np.float32)
+        for i, cl in enumerate(self.climates):
+            out[:, i] = self._channel(i, cl, t)
+        return out
+
+    def _channel(self, i: int, cl: ChannelClimate, t: np.ndarray) -> np.ndarray:
+        var, p = _pressure(cl.name)
+        # waves and the diurnal bump are separable in (lat) x (time, lon): one batched matmul
+        shift = np.deg2rad(cl.speed / 24.0) * t  # radians of eastward advection
+        arg = self.m[None, :, None] * (self.lam[None, None, :] - shift[:, None, None]) + self.psi[None, :, None]
+        lon_part = self.amps[i][None, :, None] * np.cos(arg)  # (n, K, W)
+        lat_part = self.lat_modes  # (H, K)
+        if cl.diurnal_amp:
+            # heating peaks at 15 local solar time, i.e. at longitude (15 - UTC) * 15 degrees
+            peak = np.deg2rad((15.0 - t % 24.0) * 15.0)
+            bump = np.exp(1.5 * (np.cos(self.lam[None, :] - peak[:, None]) - 1.0))  # (n, W)
+            lon_part = np.concatenate([lon_part, cl.diurnal_amp * bump[:, None, :]], axis=1)
+            lat_part = np.concatenate([lat_part, np.cos(self.phi)[:, None] ** 2], axis=1)
+        field = np.matmul(lat_part[None], lon_part)  # (n, H, W)
+        # the seasons move the background north and south by up to 8 degrees
+        season = np.deg2rad(8.0) * np.sin(2 * np.pi * (t / 24.0 - 80.0) / 365.25)
+        field += _background(var, p, self.phi[None, :] - season[:, None])[:, :, None]
+        field += self.stationary[i]
+        return field
+
+
+def _stationary(climates, lat, lon, rng) -> np.ndarray:
+    """(C, H, W) fixed longitude pattern (continents, orography), 20% of each wave amplitude."""
+    phi, lam = np.deg2rad(lat)[:, None], np.deg2rad(lon)[None, :]
+    psi = rng.uniform(0, 2 * np.pi, size=2)
+    pattern = np.cos(phi) ** 2 * (np.cos(2 * lam + psi[0]) + 0.5 * np.sin(3 * lam + psi[1]) * np.sin(2 * phi))
+    return np.stack([0.2 * cl.wave_amp * pattern for cl in climates])
+
+
+def _plan(train_years: int, valid_years: int) -> list[tuple[str, int]]:
+    years = range(START_YEAR, START_YEAR + train_years + valid_years)
+    return [(layout.TRAIN if y < START_YEAR + train_years else layout.VALID, y) for y in years]
+
+
+def _hours_since_start(year: int) -> float:
+    delta = np.datetime64(f"{year}-01-01T00", "h") - np.datetime64(f"{START_YEAR}-01-01T00", "h")
+    return float(delta.astype(np.int64))
+
+
+def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours) -> None:
+    h, w = img_size
+    if h < 2 or w < 2:
+        raise layout.LayoutError(f"--img_size must be at least 2 2, got {h} {w}")
+    if train_years < 1 or valid_years < 1:
+        raise layout.LayoutError("--train_years and --valid_years must be >= 1")
+    if steps_per_year < 2:
+        raise layout.LayoutError(f"--steps_per_year must be >= 2 (a sample needs two steps), got {steps_per_year}")
+    if not 0 < dt_hours <= 24 * 366 / steps_per_year:
+        raise layout.LayoutError(f"--dt_hours must be > 0 and keep {steps_per_year} steps within a year, got {dt_hours}")
+    channel_names(channels)
+
+
+def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tuple[int, int] = (32, 64),
+                           train_years: int = 2, valid_years: int = 1, steps_per_year: int = 64,
+                           dt_hours: float = 6.0, seed: int = 0, overwrite: bool = False,
+                           verbose: bool = False) -> Path:
+    """Write a synthetic dataset in the ERA5 layout and return ``out_dir``.
+
+    Files ``train/2000.h5 ..`` then ``valid/..`` (years continue after the training years), each
+    with ``fields`` float32 (steps_per_year, channels, H, W) starting on Jan 1 00 UTC of its year;
+    ``stats/`` computed over the training files only. Output is fully determined by the
+    arguments (same seed -> identical files). Memory use is bounded by ~256 MiB blocks.
+
+    Args:
+        out_dir: dataset folder (created).
+        channels: C, 1..65; names from :func:`channel_names`.
+        img_size: (H, W) grid, see :func:`grid`.
+        train_years, valid_years: number of files per split.
+        steps_per_year: T, time steps per file.
+        dt_hours: hours between steps.
+        seed: random seed of the wave modes and phases.
+        overwrite: replace an existing dataset in ``out_dir``.
+        verbose: print progress.
+
+    Raises:
+        LayoutError: invalid arguments, or ``out_dir`` holds a dataset and ``overwrite`` is False.
+    """
+    img_size = (int(img_size[0]), int(img_size[1]))
+    _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours)
+    out = layout.prepare_output_dir(out_dir, overwrite)
+    names = channel_names(channels)
+    lat, lon = grid(img_size)
+    rng = np.random.default_rng([seed, 0])
+    climates = [channel_climate(n, rng) for n in names]
+    stationary = _stationary(climates, lat, lon, rng)
+    stats = layout.StatsAccumulator(names, img_size)
+    step_bytes = channels * img_size[0] * img_size[1] * 4
+    block = max(1, min(steps_per_year, BLOCK_BYTES // step_bytes))
+    report_every = max(1, -(-steps_per_year // block) // 10)  # about 10 progress lines per file
+    t_start = time.perf_counter()
+    for split, year in _plan(train_years, valid_years):
+        synth = SyntheticFile(climates, stationary, lat, lon, np.random.default_rng([seed, 1, year]),
+                              _hours_since_start(year), dt_hours)
+        path = out / split / f"{year}{layout.SUFFIX}"
+        with layout.FieldFileWriter(path, names, lat, lon, steps_per_year, dt_hours,
+                                    start_time=f"{year}-01-01T00:00:00") as writer:
+            for start in range(0, steps_per_year, block):
+                stop = min(start + block, steps_per_year)
+                data = synth.block(start, stop)
+                writer.write(start, data)
+                if split == layout.TRAIN:
+                    stats.update(data)
+                if verbose and (stop == steps_per_year or (start // block) % report_every == report_every - 1):
+                    print(f"  {split}/{path.name}: {stop}/{steps_per_year} steps "
+                          f"({time.perf_counter() - t_start:.1f} s)", flush=True)
+    result = stats.save(out)
+    if verbose:
+        print(f"wrote {train_years} train + {valid_years} valid files of shape "
+              f"({steps_per_year}, {channels}, {img_size[0]}, {img_size[1]}), dt {dt_hours} h, to {out}")
+        print("training statistics:\n" + layout.format_stats(result, names))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (flags mirror :func:`make_synthetic_dataset`)."""
+    p = argparse.ArgumentParser(prog="python -m tools.make_synthetic_data",
+                                description="Write a synthetic ERA5-like dataset (train/, valid/, stats/).")
+    p.add_argument("--out", required=True, help="output dataset folder")
+    p.add_argument("--channels", type=int, default=4, help="number of channels C (default 4)")
+    p.add_argument("--img_size", type=int, nargs=2, default=(32, 64), metavar=("H", "W"),
+                   help="grid size (default 32 64)")
+    p.add_argument("--train_years", type=int, default=2, help="training files (default 2)")
+    p.add_argument("--valid_years", type=int, default=1, help="validation files (default 1)")
+    p.add_argument("--steps_per_year", type=int, default=64, help="time steps per file (default 64)")
+    p.add_argument("--dt_hours", type=float, default=6.0, help="hours between steps (default 6)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 with ``error: ...`` on stderr for bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        make_synthetic_dataset(args.out, args.channels, tuple(args.img_size), args.train_years,
+                               args.valid_years, args.steps_per_year, args.dt_hours, args.seed,
+                               overwrite=args.overwrite, verbose=True)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
