@@ -25,7 +25,8 @@
 #                                             (modules: SHIFTER_MODULES, default gpu,nccl-plugin)
 #   CONTAINER='apptainer exec --nv img.sif'   any other per-task wrapper (word-split)
 #   PYTHON=/path/to/python                    interpreter (default: python)
-#   DATA_DIR, LOG_DIR                         data / experiment dirs (defaults below)
+#   DATA_DIR, LOG_DIR                         data / experiment dirs (default: $SCRATCH/vit-era5/data
+#                                             and .../logs; without SCRATCH: <repo>/data and <repo>/runs)
 #   MASTER_ADDR, MASTER_PORT                  rendezvous (default: first node of the job,
 #                                             29500 + SLURM_JOB_ID % 1000)
 #   ENABLE_PROFILING=1                        wrap rank 0 in `nsys profile` (all ranks with
@@ -95,7 +96,6 @@ else
     DATA_DIR=${DATA_DIR:-${REPO_DIR}/data}
     LOG_DIR=${LOG_DIR:-${REPO_DIR}/runs}
 fi
-mkdir -p "${LOG_DIR}"
 
 # ---- environment for the trainer -------------------------------------------------
 export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE} # Lustre/NFS

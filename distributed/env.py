@@ -94,7 +94,8 @@ class World:
 
     ``dp``, ``cp``, ``tp`` are the data-, context- and tensor-parallel sizes
     (``dp * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard.
-    ``mesh`` is ``None`` for one process.
+    ``meshes`` maps ``dp``, ``cp``, ``tp`` and ``hsdp`` (the 2D ``dp_replicate x dp_shard``
+    mesh) to their device meshes; empty for one process.
     """
 
     env: LaunchEnv
@@ -103,7 +104,7 @@ class World:
     cp: int = 1
     tp: int = 1
     dp_rank: int = 0
-    mesh: DeviceMesh | None = field(default=None, repr=False)
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int:
@@ -120,9 +121,9 @@ class World:
     def group(self, name: str):
         """Process group of mesh dimension ``name`` (``dp``, ``cp``, ``tp``), or None if size 1."""
         size = {"dp": self.dp, "cp": self.cp, "tp": self.tp}[name]
-        if self.mesh is None or size == 1:
+        if not self.meshes or size == 1:
             return None
-        return self.mesh[name].get_group()
+        return self.meshes[name].get_group()
 
 
 def parallel_sizes(world_size: int, tp: int, cp: int) -> int:
@@ -143,8 +144,10 @@ def hsdp_split(dp: int, shard: int) -> tuple[int, int]:
     return dp // shard, shard
 
 
-def build_mesh(device_type: str, world_size: int, tp: int, cp: int, order: str, hsdp_shard: int) -> DeviceMesh:
-    """Device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order`` plus flattened ``dp``."""
+def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str,
+                 hsdp_shard: int) -> dict[str, DeviceMesh]:
+    """One device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order``; returns its
+    ``dp`` (flattened replicate x shard), ``cp``, ``tp`` and ``hsdp`` (2D) sub-meshes."""
     dp = parallel_sizes(world_size, tp, cp)
     rep, shard = hsdp_split(dp, hsdp_shard) if hsdp_shard else (1, dp)
     sizes = {"tp": tp, "cp": cp, "dp_replicate": rep, "dp_shard": shard}
@@ -152,8 +155,8 @@ def build_mesh(device_type: str, world_size: int, tp: int, cp: int, order: str, 
     for name in reversed(order.split("-")):  # outermost first
         dims += ["dp_replicate", "dp_shard"] if name == "dp" else [name]
     mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
-    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    return mesh
+    hsdp = mesh[("dp_replicate", "dp_shard")]
+    return {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
 
 
 def init_distributed(params) -> World:
@@ -185,8 +188,8 @@ def init_distributed(params) -> World:
     if params.fsdp == "hsdp":
         shard = params.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
                                               else torch.cuda.device_count() or dp)
-    mesh = build_mesh(device.type, env.world_size, tp, cp, params.parallel_order, shard)
-    return World(env, device, dp, cp, tp, mesh["dp"].get_local_rank(), mesh)
+    meshes = build_meshes(device.type, env.world_size, tp, cp, params.parallel_order, shard)
+    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes)
 
 
 def shutdown() -> None:

@@ -232,7 +232,7 @@ class DistributedMatmul(_ParallelModule):
                    cp_group: dist.ProcessGroup | None = None, *, parallel: str = "column", groups: int = 1,
                    unit_size: int = 1, gather_output: bool = False,
                    input_is_parallel: bool = True) -> "DistributedMatmul":
-        """Copy this rank's shard of a dense ``nn.Linear`` (same device and dtype).
+        """Copy this rank's shard of a dense ``nn.Linear`` (same device and dtype; no RNG use).
 
         Raises:
             TypeError: if ``module`` is not an ``nn.Linear``.
@@ -240,9 +240,11 @@ class DistributedMatmul(_ParallelModule):
         """
         if not isinstance(module, nn.Linear):
             raise TypeError(f"expected nn.Linear, got {type(module).__name__}")
+        # built on meta, then materialized: no random init, so the global RNG stays in step across ranks
         new = cls(module.in_features, module.out_features, tp_group, cp_group, parallel=parallel,
                   bias=module.bias is not None, groups=groups, unit_size=unit_size, gather_output=gather_output,
-                  input_is_parallel=input_is_parallel, device=module.weight.device, dtype=module.weight.dtype)
+                  input_is_parallel=input_is_parallel, device="meta", dtype=module.weight.dtype)
+        new.to_empty(device=module.weight.device)
         new.load_dense_(module.weight, module.bias)
         return new
 
@@ -456,8 +458,9 @@ class DistributedPatchEmbed(_ParallelModule):
                    cp_group: dist.ProcessGroup | None = None) -> "DistributedPatchEmbed":
         """Copy a dense ``networks.vit.PatchEmbed`` (its ``proj`` is deep-copied)."""
         proj = nn.Conv2d(module.proj.in_channels, module.proj.out_channels, module.proj.kernel_size,
-                         stride=module.proj.stride, device=module.proj.weight.device,
+                         stride=module.proj.stride, bias=module.proj.bias is not None, device="meta",
                          dtype=module.proj.weight.dtype)
+        proj.to_empty(device=module.proj.weight.device)
         proj.load_state_dict(module.proj.state_dict())
         return cls(proj, module.grid, tp_group, cp_group)
 

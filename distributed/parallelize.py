@@ -12,6 +12,7 @@ reduction of gradients of tensor/context-replicated parameters.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from functools import partial
 
 import torch
@@ -70,7 +71,7 @@ def apply_fsdp(model: nn.Module, params, world: World) -> None:
     (``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``): more overlap,
     more memory held; 0 keeps FSDP2's defaults (gather on use, backward implicit next-1).
     """
-    mesh = world.mesh[("dp_replicate", "dp_shard")] if params.fsdp == "hsdp" else world.mesh["dp"]
+    mesh = world.meshes["hsdp" if params.fsdp == "hsdp" else "dp"]
     param_dtype = AMP_DTYPES[params.amp_mode]
     reduce_dtype = torch.float32 if params.fsdp_reduce_dtype == "fp32" else param_dtype
     kwargs = dict(mesh=mesh, reshard_after_forward=params.fsdp != "zero2",
@@ -106,9 +107,14 @@ def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
     elif world.dp > 1:
         model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
                     process_group=world.group("dp"), bucket_cap_mb=params.bucket_cap_mb,
-                    broadcast_buffers=False, gradient_as_bucket_view=True,
+                    gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
                     static_graph=params.ddp_static_graph)
     return model
+
+
+# The model has no buffers to keep in sync; torch >= 2.13 renamed the DDP switch.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else {"broadcast_buffers": False})
 
 
 def _compile_mode(params) -> str | None:

@@ -98,7 +98,7 @@ def _job_state(job_id: str, env: dict[str, str]) -> dict[str, str]:
 def test_submit_pm_tiny_on_slurm(slurm_cluster, tiny_data, tmp_path):
     cdir, env = slurm_cluster
     expdir = tmp_path / "logs"
-    env = dict(env, PYTHON=sys.executable)
+    env = dict(env, PYTHON=sys.executable, DATA_DIR=str(tiny_data), LOG_DIR=str(expdir))
     cmd = ["sbatch", "--wait", "-N1", "-n", "2", *CPU_OVERRIDES, "-o", str(tmp_path / "%x-%j.out"),
            str(SUBMIT), "--config=tiny", "--data_path", str(tiny_data), "--expdir", str(expdir),
            "--yaml_config", "config/ViT.yaml", "--num_iters", "40", "--log_every", "10"]
@@ -121,6 +121,7 @@ def test_submit_pm_tiny_on_slurm(slurm_cluster, tiny_data, tmp_path):
     print(f"\n[slurm] job {job_id} ran in {elapsed:.1f}s (submit to exit)")
     assert res.returncode == 0, f"job {job_id} failed:\n" + diag
     state = _job_state(job_id, env)
+    print(f"[slurm] scontrol: {state or 'job already purged'}")
     if state:  # still known to slurmctld (MinJobAge)
         assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", f"{state}\n{diag}"
 

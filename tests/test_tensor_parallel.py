@@ -295,7 +295,7 @@ def _full_grads(model):
             tp = model.tp_group
             shapes = [layout.local_size(r, group_size(tp)) for r in range(group_size(tp))]
             g = layout.unshard(list(torch.split(all_gather_uneven(g, layout.dim, shapes, tp), shapes, layout.dim)))
-        out[name] = g
+        out[name] = g.clone()
     return out
 
 

@@ -71,6 +71,7 @@ class Plan:
     dt_hours: float
     files: list[OutputFile]
     member_values: list[int] | None
+    times: np.ndarray  # (T,) datetime64[s] of the whole input time axis
     notes: list[str] = field(default_factory=list)
 
 
@@ -167,7 +168,8 @@ def _resolve_extra_dims(ds, channels: list[Channel], dims: dict[str, str], selec
         out[var] = chosen
     unused = set(select) - {d for ch in out.values() for d in ch}
     if unused:
-        raise LayoutError(f"--select names dimension(s) {sorted(unused)} that no selected variable has")
+        raise LayoutError(f"--select names dimension(s) {sorted(unused)} that no selected variable has as an "
+                          f"extra dimension (use --members for '{MEMBER_DIM}' and --levels for pressure levels)")
     return out
 
 
@@ -345,9 +347,16 @@ def make_plan(ds, variables: Sequence[str], levels: Sequence[float] | None = Non
     n_train = split_index(times, valid_start, valid_fraction)
     member_index, member_values = _members(ds, channels, members)
     files = _plan_files(times, n_train, member_index, member_values)
+    # a year holding one step gives no (t, t+1) sample and would fail the loader: leave it out
+    notes += [f"skipped {f.split}/{f.name}: its year has a single time step ({times[f.times[0]]}) in this split"
+              for f in files if f.times.size < 2]
+    files = [f for f in files if f.times.size >= 2]
+    for split in layout.SPLITS:
+        if not any(f.split == split for f in files):
+            raise LayoutError(f"the {split} split has no year with two or more time steps, so it gives no "
+                              "samples; choose another --valid_start or --valid_fraction")
     dt = _dt_hours(times, files)
-    notes += [f"{f.split}/{f.name} has a single time step and yields no samples" for f in files if f.times.size < 2]
-    return Plan(channels, dims, extra, lat_index, lon_index, lat, lon, dt, files, member_values, notes)
+    return Plan(channels, dims, extra, lat_index, lon_index, lat, lon, dt, files, member_values, times, notes)
 
 
 def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: int) -> np.ndarray:
@@ -365,7 +374,7 @@ def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: 
     bad = ~np.isfinite(block)
     if bad.any():
         t_bad = int(f.times[start + np.flatnonzero(bad.any(axis=(1, 2)))[0]])
-        when = np.asarray(ds[plan.dims["time"]].values)[t_bad]
+        when = plan.times[t_bad]
         member = "" if f.member is None else f", member {f.member_value}"
         raise LayoutError(f"variable '{ch.variable}' (channel {ch.name}) has {int(bad.sum())} NaN/Inf value(s), "
                           f"first at time {when}{member}; ERA5 has no missing values, so fill or drop them "
@@ -373,27 +382,25 @@ def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: 
     return block
 
 
-def _write_files(ds, plan: Plan, out: Path, verbose: bool) -> tuple[list[Path], dict[str, np.ndarray]]:
+def _write_files(ds, plan: Plan, out: Path, verbose: bool) -> dict[str, np.ndarray]:
+    """Stream every planned file to disk block by block; return the saved training statistics."""
     names = [c.name for c in plan.channels]
     h, w = plan.latitude.size, plan.longitude.size
     stats = layout.StatsAccumulator(names, (h, w))
     block = max(1, BLOCK_BYTES // (len(names) * h * w * 4))
-    times = np.asarray(ds[plan.dims["time"]].values).astype("datetime64[s]")
-    written = []
     for f in plan.files:
         path = out / f.split / f.name
         with layout.FieldFileWriter(path, names, plan.latitude, plan.longitude, f.times.size, plan.dt_hours,
-                                    start_time=str(times[f.times[0]])) as writer:
+                                    start_time=str(plan.times[f.times[0]])) as writer:
             for start in range(0, f.times.size, block):
                 stop = min(start + block, f.times.size)
                 data = np.stack([_read_channel(ds, plan, c, f, start, stop) for c in plan.channels], axis=1)
                 writer.write(start, data)
                 if f.split == layout.TRAIN:
                     stats.update(data)
-        written.append(path)
         if verbose:
             print(f"  wrote {f.split}/{f.name}: {f.times.size} steps", flush=True)
-    return written, stats.save(out)
+    return stats.save(out)
 
 
 def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str],
@@ -420,7 +427,8 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
     Returns:
         dict with ``channels`` (list[str]), ``grid`` ((H, W)), ``latitude``/``longitude`` arrays,
         ``dt_hours``, ``members`` (list[int] or None), ``files`` ({split: [(name, n_steps)]}),
-        ``samples`` ({split: number of (t, t+1) pairs}), ``stats`` (float32 arrays), ``notes``.
+        ``samples`` ({split: number of (t, t+1) pairs}), ``time_range`` ({split: (first, last) ISO
+        times}), ``stats`` (float32 arrays), ``notes`` (list[str]: flips, trims, skipped files).
 
     Raises:
         InputNotFoundError: missing input. LayoutError: anything else wrong with the input or
@@ -434,7 +442,7 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
                          members=members, trim_to_multiple=trim_to_multiple, select=select)
         out = layout.prepare_output_dir(out_dir, overwrite)
         try:
-            _, stats = _write_files(ds, plan, out, verbose)
+            stats = _write_files(ds, plan, out, verbose)
         except BaseException:
             # a half-written dataset without stats would mislead the loader: remove it
             layout.prepare_output_dir(out, overwrite=True)
@@ -457,6 +465,9 @@ def _summary(plan: Plan, stats: dict, input_path, out: Path) -> dict:
         "dt_hours": plan.dt_hours, "members": plan.member_values,
         "files": files,
         "samples": {s: sum(n - 1 for _, n in files[s]) for s in layout.SPLITS},
+        "time_range": {s: (str(plan.times[min(f.times[0] for f in plan.files if f.split == s)]),
+                           str(plan.times[max(f.times[-1] for f in plan.files if f.split == s)]))
+                       for s in layout.SPLITS},
         "stats": stats, "notes": plan.notes,
     }
 
@@ -474,8 +485,9 @@ def format_summary(summary: dict) -> str:
         files = summary["files"][split]
         steps = sum(n for _, n in files)
         shown = ", ".join(f"{name} ({n})" for name, n in files[:4]) + (" ..." if len(files) > 4 else "")
-        lines.append(f"{split}: {len(files)} file(s), {steps} time steps, {summary['samples'][split]} samples "
-                     f"(t -> t+1 pairs): {shown}")
+        first, last = summary["time_range"][split]
+        lines.append(f"{split}: {first} .. {last}, {len(files)} file(s), {steps} time steps, "
+                     f"{summary['samples'][split]} samples (t -> t+1 pairs): {shown}")
     lines.append("training statistics (stats/global_means.npy, global_stds.npy):")
     lines.append(layout.format_stats(summary["stats"], summary["channels"]))
     return "\n".join(lines)

@@ -264,13 +264,21 @@ class StatsAccumulator:
         for i in range(c):  # one channel at a time keeps the float64 temporary small
             dev = block[:, i].astype(np.float64).ravel() - b_mean[i]
             b_m2[i] = dev @ dev
+        self._combine(n, b_mean, b_m2, block.sum(axis=0, dtype=np.float64), block.shape[0])
+
+    def merge(self, other: "StatsAccumulator") -> None:
+        """Add the data seen by ``other`` (e.g. a worker process's accumulator of the same grid)."""
+        if other.count:
+            self._combine(other.count, other.mean, other.m2, other.time_sum, other.n_steps)
+
+    def _combine(self, n: int, b_mean: np.ndarray, b_m2: np.ndarray, time_sum: np.ndarray, n_steps: int) -> None:
         total = self.count + n
         delta = b_mean - self.mean
         self.mean += delta * (n / total)
         self.m2 += b_m2 + delta ** 2 * (self.count * n / total)
         self.count = total
-        self.time_sum += block.sum(axis=0, dtype=np.float64)
-        self.n_steps += block.shape[0]
+        self.time_sum += time_sum
+        self.n_steps += n_steps
 
     def result(self) -> dict[str, np.ndarray]:
         """The statistics as float32 arrays keyed by file name without ``.npy``.

@@ -103,6 +103,10 @@ def _coerce(key: str, raw: Any, default: Any) -> Any:
     if want is None or raw is None:
         return raw
     if want in (list, tuple):
+        if not default:  # free-length list (e.g. key_channels): items kept as given
+            if not isinstance(raw, (list, tuple)):
+                raise UserError(f"--{key} expects a list like [a,b], got {raw!r}")
+            return [str(r) for r in raw]
         if not isinstance(raw, (list, tuple)) or len(raw) != len(default):
             raise UserError(f"--{key} expects a list of {len(default)} values like {default}, got {raw!r}")
         return [_coerce(key, r, d) for r, d in zip(raw, default)]

@@ -8,9 +8,9 @@ Layout (written by ``tools/make_synthetic_data.py`` and ``tools/convert_era5.py`
     <data_path>/stats/time_means.npy                      (1, C, H, W) float32 (climatology)
 
 A sample is ``(fields[t], fields[t + dt])`` from one file, cropped to ``img_size`` from the
-top-left (north-west) corner. Loaders yield raw float32 fields; normalization
-``(x - mean) / std`` happens on the device in :class:`DeviceBatches`, which also prefetches
-the next batch on a side CUDA stream so the host-to-device copy overlaps compute.
+top-left (north-west) corner. Workers read raw float32 fields straight into page-locked
+batch buffers; :class:`DeviceBatches` copies the next batch to the GPU on a side stream
+(overlapping compute) and normalizes it there, ``(x - mean) / std``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from utils.errors import UserError
 
@@ -167,55 +167,155 @@ class Stats:
         return cls(ones * 0, ones, torch.zeros(1, n_channels, *img_size, device=device))
 
 
-class DeviceBatches:
-    """Iterate ``(inp, tar, index)`` batches moved to ``device`` and normalized with ``stats``.
+class BatchSlots:
+    """``K`` host buffers, each holding one batch ``(2, B, C, H, W)`` float32 (input, target).
 
-    On CUDA the next batch is copied on a side stream while the current one is being used
-    (the loader's pinned memory makes the copy asynchronous); the consumer stream waits on
-    an event before it touches the batch. Yields float32 ``(B, C, H, W)`` tensors.
+    The buffers live in shared memory so DataLoader workers (forked or spawned) write samples
+    straight into them with h5py ``read_direct``; with ``pin=True`` they are also page-locked
+    (``cudaHostRegister``) so the host-to-device copy is a direct, asynchronous DMA. No other
+    host copy of a batch is made (no collate, no pin-memory thread).
     """
 
-    def __init__(self, loader: Iterable, sampler=None, *, device: torch.device, stats: Stats):
-        self.loader, self.sampler, self.device, self.stats = loader, sampler, device, stats
+    def __init__(self, k: int, batch_size: int, n_channels: int, img_size, pin: bool):
+        self.k = k
+        self.buf = torch.empty((k, 2, batch_size, n_channels, *img_size), dtype=torch.float32).share_memory_()
+        self.pinned = False
+        if pin:
+            err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.nbytes, 0)
+            if int(err) != 0:
+                raise UserError(f"cudaHostRegister of {self.buf.nbytes / 2**30:.1f} GiB of loader buffers failed "
+                                f"(error {int(err)}); lower --num_data_workers or --local_batch_size")
+            self.pinned = True
+
+    def __del__(self):
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+
+
+class SlotFiller(Dataset):
+    """Reads one batch per item into its slot: ``(batch_no, indices)`` -> ``(batch_no, indices)``.
+
+    Runs in DataLoader workers (or inline without workers); batch ``b`` goes to slot ``b % K``.
+    """
+
+    def __init__(self, dataset: ERA5Dataset, slots: BatchSlots):
+        self.dataset, self.slots = dataset, slots
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        batch_no, indices = item
+        slot = self.slots.buf[batch_no % self.slots.k]
+        for j, index in enumerate(indices):
+            file_no, t = self.dataset.locate(index)
+            self.dataset.read(file_no, t, out=slot[0, j].numpy())
+            self.dataset.read(file_no, t + self.dataset.dt, out=slot[1, j].numpy())
+        return batch_no, torch.as_tensor(indices, dtype=torch.int64)
+
+
+class NumberedBatches(Sampler):
+    """Batches of a sampler's indices, numbered: yields ``(batch_no, [indices])``."""
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool):
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self):
+        indices = list(self.sampler)
+        for b in range(len(self)):
+            yield b, indices[b * self.batch_size:(b + 1) * self.batch_size]
+
+
+class DeviceBatches:
+    """Normalized ``(inp, tar, index)`` batches on ``device`` from an :class:`ERA5Dataset`.
+
+    Pipeline: a DistributedSampler orders the samples (shuffled per epoch with ``set_epoch``,
+    disjoint per data-parallel rank); DataLoader workers (``num_workers``; none: inline) read
+    each batch into a page-locked shared slot; on CUDA the next batch is copied to the GPU and
+    normalized ``(x - mean) / std`` on a side stream while the current one is used, and the
+    compute stream waits on an event. Yields float32 ``(B, C, H, W)`` tensors and int64 indices;
+    the last incomplete batch is dropped when ``drop_last`` (training), kept otherwise.
+
+    A slot is rewritten only after its copy has finished: a DataLoader with ``P`` batches in
+    flight hands out batch ``j + P`` while batch ``j`` is returned, so with ``K = P + 2`` slots
+    the slot of ``j + P`` last held batch ``j - 2``, whose copy is waited for first.
+    """
+
+    def __init__(self, dataset: ERA5Dataset, sampler: DistributedSampler, batch_size: int, drop_last: bool,
+                 num_workers: int, *, device: torch.device, stats: Stats):
+        self.batches = NumberedBatches(sampler, batch_size, drop_last)
+        self.sampler, self.device, self.stats = sampler, device, stats
+        self.cuda = device.type == "cuda"
+        in_flight = 2 * num_workers  # DataLoader prefetch_factor 2
+        self.slots = BatchSlots(in_flight + 2 if num_workers else 2, batch_size, dataset.n_channels,
+                                dataset.img_size, pin=self.cuda)
+        self.filler = SlotFiller(dataset, self.slots)
+        self.loader = (DataLoader(self.filler, batch_size=None, sampler=self.batches, num_workers=num_workers,
+                                  persistent_workers=True, prefetch_factor=2) if num_workers else None)
+        self.copied: list = [None] * self.slots.k  # per slot: CUDA event of its last host-to-device copy
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
     def set_epoch(self, epoch: int) -> None:
-        if self.sampler is not None:
-            self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
 
-    def _to_device(self, batch):
-        inp, tar, idx = batch
-        inp = inp.to(self.device, non_blocking=True)
-        tar = tar.to(self.device, non_blocking=True)
-        mean, std = self.stats.mean, self.stats.std
-        return (inp - mean) / std, (tar - mean) / std, idx
+    def _wait_slot(self, batch_no: int) -> None:
+        event = self.copied[batch_no % self.slots.k]
+        if event is not None:
+            event.synchronize()
+
+    def _source(self):
+        if self.loader is not None:
+            it = iter(self.loader)
+            for j in range(len(self.batches)):
+                self._wait_slot(j - 2)  # receiving batch j releases batch j + P to a worker
+                yield next(it)
+        else:
+            for batch_no, indices in self.batches:
+                self._wait_slot(batch_no)
+                yield self.filler[(batch_no, indices)]
+
+    def _to_device(self, batch_no: int, indices: torch.Tensor):
+        n = len(indices)
+        host = self.slots.buf[batch_no % self.slots.k, :, :n]
+        data = host.to(self.device, non_blocking=True)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[batch_no % self.slots.k] = event
+        data = (data - self.stats.mean) / self.stats.std  # a new tensor: the slot is free after the copy
+        return data[0], data[1], indices
 
     def __iter__(self) -> Iterator:
-        if self.device.type != "cuda":
-            yield from map(self._to_device, self.loader)
+        if not self.cuda:
+            yield from (self._to_device(*item) for item in self._source())
             return
         stream = torch.cuda.Stream(self.device)
-        it = iter(self.loader)
+        stream.synchronize()
+        compute = torch.cuda.current_stream(self.device)
+        source = self._source()
 
         def prefetch():
-            batch = next(it, None)
-            if batch is None:
+            item = next(source, None)
+            if item is None:
                 return None
             with torch.cuda.stream(stream):
-                out = self._to_device(batch)
-                event = torch.cuda.Event()
-                event.record(stream)
-            return out, event
+                out = self._to_device(*item)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            return out, ready
 
         pending = prefetch()
         while pending is not None:
-            (inp, tar, idx), event = pending
-            torch.cuda.current_stream(self.device).wait_event(event)
-            # memory made on the side stream is now also used on the compute stream
-            inp.record_stream(torch.cuda.current_stream(self.device))
-            tar.record_stream(torch.cuda.current_stream(self.device))
+            (inp, tar, idx), ready = pending
+            compute.wait_event(ready)
+            inp.record_stream(compute)  # made on the side stream, used on the compute stream
+            tar.record_stream(compute)
             pending = prefetch()
             yield inp, tar, idx
 
@@ -292,14 +392,11 @@ def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.nd
     return names, lat
 
 
-def _loader(dataset: ERA5Dataset, params, batch_size: int, train: bool, dp_rank: int, dp_size: int, device):
-    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=train,
-                                 seed=params.seed, drop_last=True)
-    workers = params.num_data_workers
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        pin_memory=device.type == "cuda", drop_last=train,
-                        persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None)
-    return loader, sampler
+def make_sampler(dataset: ERA5Dataset, params, train: bool, dp_rank: int, dp_size: int) -> DistributedSampler:
+    """The sample order shared by the native and DALI loaders: shuffled per epoch for training,
+    sharded over data-parallel ranks, dropping the tail that does not divide over the ranks."""
+    return DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=train,
+                              seed=params.seed, drop_last=True)
 
 
 def build_data(params, batch_size: int, dp_rank: int, dp_size: int, device: torch.device) -> Data:
@@ -335,8 +432,8 @@ def build_data(params, batch_size: int, dp_rank: int, dp_size: int, device: torc
         train, valid = (dali_batches(ds, params, batch_size, is_train, dp_rank, dp_size, device, stats)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     else:
-        train, valid = (DeviceBatches(*_loader(ds, params, batch_size, is_train, dp_rank, dp_size, device),
-                                      device=device, stats=stats)
+        train, valid = (DeviceBatches(ds, make_sampler(ds, params, is_train, dp_rank, dp_size), batch_size,
+                                      is_train, params.num_data_workers, device=device, stats=stats)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
     return Data(train, valid, stats, names, lat, n_train, train_ds)

@@ -9,8 +9,10 @@ suppression for accumulation and the reduction of replicated-parameter gradients
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -113,6 +115,7 @@ class Trainer:
         self.flops_per_sample = vit_flops_per_sample(params)
         self.peak_flops = peak_flops(self.device, params.amp_mode)
         self.step = 0
+        self.data_wait = 0.0
 
     def _build_model(self) -> None:
         p = self.params
@@ -170,6 +173,7 @@ class Trainer:
         pending = None  # previous step's finiteness check, read one step late to avoid a sync per step
         batches = iter(self.data.train)
         bar = self._progress(n_steps, epoch)
+        self.data_wait = 0.0  # host seconds blocked waiting for the loader
         self._synchronize()
         t0 = time.perf_counter()
         for step in range(n_steps):
@@ -192,6 +196,7 @@ class Trainer:
         loss = _all_reduce(loss_sum, self.world.group("dp")).item() / max(1, n_steps * self.world.dp)
         samples = n_steps * self.global_bs
         report = {"epoch_time": elapsed, "samples_per_s": samples / elapsed, "train_loss": loss,
+                  "data_wait_share": self.data_wait / elapsed,
                   "lr": self.optimizer.param_groups[0]["lr"], "memory": self.memory.end_epoch()}
         if self.peak_flops:
             report["mfu"] = report["samples_per_s"] * self.flops_per_sample / (self.peak_flops * self.world.world_size)
@@ -204,7 +209,9 @@ class Trainer:
         indices = []
         for micro in range(self.accum):
             with nvtx_range("data"):
+                t0 = time.perf_counter()
                 inp, tar, idx = next(batches)
+                self.data_wait += time.perf_counter() - t0
             indices.append(idx)
             bad_data |= ~(torch.isfinite(inp).all() & torch.isfinite(tar).all())
             last = micro == self.accum - 1
@@ -293,7 +300,7 @@ class Trainer:
         keys = self.params.key_channels or self.data.channel_names[:4]
         line = (f"epoch {epoch + 1}/{n_epochs} | {r['epoch_time']:.2f} s | {r['samples_per_s']:.1f} samples/s"
                 + (f" | MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
-                + f" | train loss {r['train_loss']:.4f}")
+                + f" | data wait {100 * r['data_wait_share']:.0f}% | train loss {r['train_loss']:.4f}")
         if "valid_loss" in r:
             line += f" | valid loss {r['valid_loss']:.4f}"
             line += " | RMSE " + " ".join(f"{k} {r['rmse'][k]:.4g} (persistence {r['persistence_rmse'][k]:.4g})"
@@ -301,6 +308,8 @@ class Trainer:
         log.info(line)
         log.info(format_memory(r["memory"]))
         self._tensorboard(epoch, r)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:  # machine-readable, for benchmarks and run comparison
+            f.write(json.dumps({"epoch": epoch, "iteration": self.step, **r}) + "\n")
 
     def _tensorboard(self, epoch: int, r: dict) -> None:
         w, step = self.writer, self.step
@@ -308,6 +317,7 @@ class Trainer:
         w.add_scalar("lr", r["lr"], step)
         w.add_scalar("perf/samples_per_s", r["samples_per_s"], step)
         w.add_scalar("perf/epoch_time_s", r["epoch_time"], step)
+        w.add_scalar("perf/data_wait_share", r["data_wait_share"], step)
         if "mfu" in r:
             w.add_scalar("perf/mfu", r["mfu"], step)
         for key, value in r["memory"].items():
@@ -323,7 +333,8 @@ class Trainer:
         w.flush()
 
     def _progress(self, n_steps: int, epoch: int):
-        if self.world.is_main and sys.stdout.isatty():
+        # batch jobs (SLURM) get plain lines even when srun hands them a terminal
+        if self.world.is_main and sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ:
             return tqdm(total=n_steps, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
         return None
 

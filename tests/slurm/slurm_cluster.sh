@@ -23,7 +23,7 @@
 #                          slurmd gets the next free one after it.
 #   SLURM_TEST_NO_INSTALL  set to 1 to never call apt-get.
 #   SLURM_TEST_TIMEOUT     seconds to wait for the node to become idle (default 90).
-#   SLURM_TEST_MIN_JOB_AGE MinJobAge (default 10 s). `sbatch --wait` polls after 2, 8, 32, 32 ... s
+#   SLURM_TEST_MIN_JOB_AGE MinJobAge (default 16 s). `sbatch --wait` polls after 2, 8, 32, 32 ... s
 #                          but never longer than MinJobAge/2 allows (22.05 sbatch.c _job_wait), so a
 #                          small value makes --wait return within ~8 s of the job's end; finished
 #                          jobs stay visible to `scontrol show job` for at least that long.
@@ -181,7 +181,7 @@ SlurmdDebug=info
 MailProg=/bin/true
 InactiveLimit=0
 KillWait=5
-MinJobAge=${SLURM_TEST_MIN_JOB_AGE:-10}
+MinJobAge=${SLURM_TEST_MIN_JOB_AGE:-16}
 MessageTimeout=30
 SlurmctldTimeout=60
 SlurmdTimeout=120
@@ -192,7 +192,7 @@ EOF
     export SLURM_CONF=$DIR/slurm.conf
 
     # ---- daemons -------------------------------------------------------------
-    slurmctld -f "$SLURM_CONF" -i || { dump_logs; die "slurmctld failed to start"; }
+    slurmctld -c -f "$SLURM_CONF" || { dump_logs; die "slurmctld failed to start"; }
     wait_for_pidfile "$DIR/run/slurmctld.pid" slurmctld
     slurmd -f "$SLURM_CONF" || { dump_logs; die "slurmd failed to start"; }
     wait_for_pidfile "$DIR/run/slurmd.pid" slurmd

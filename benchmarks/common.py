@@ -1,0 +1,60 @@
+"""Shared pieces of the benchmark scripts: run train.py variants, read their metrics, print tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | None = None,
+                timeout: int = 900) -> dict:
+    """Run ``train.py`` (under ``launcher``, e.g. torchrun) with ``args``; return its last epoch's metrics.
+
+    The result holds the variant name, the command, the exit status and, on success, the fields of the
+    last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory, ...).
+    """
+    run_num = name
+    cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py"), *args, "--expdir", str(expdir),
+                                            "--run_num", run_num, "--save_checkpoint", "false"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    result = {"variant": name, "command": " ".join(cmd), "returncode": proc.returncode,
+              "wall_s": round(time.perf_counter() - t0, 1)}
+    metrics = sorted(expdir.glob(f"*/*/{run_num}/metrics.jsonl"))
+    if proc.returncode != 0 or not metrics:
+        result["error"] = (proc.stderr or proc.stdout)[-3000:]
+        print(f"[{name}] FAILED ({proc.returncode}):\n{result['error']}", flush=True)
+        return result
+    last = json.loads(metrics[-1].read_text().strip().splitlines()[-1])
+    result.update(last)
+    print(f"[{name}] {last['samples_per_s']:.1f} samples/s", flush=True)
+    return result
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table; ``columns`` are (header, key path 'a.b', format)."""
+    def get(row, path):
+        for part in path.split("."):
+            row = row.get(part) if isinstance(row, dict) else None
+        return row
+
+    cells = [[h for h, _, _ in columns]]
+    for row in rows:
+        cells.append([("-" if get(row, k) is None else format(get(row, k), f)) for _, k, f in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def save_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"saved {path}")

@@ -1,0 +1,78 @@
+"""Single-GPU throughput of the training loop: samples/s, MFU, data-wait share, memory, cudaMalloc retries.
+
+Runs ``train.py`` once per variant (fp32 baseline, loader workers, DALI, bf16, fused Adam,
+torch.compile, attention backends, the synthetic loader for the compute ceiling) for two epochs of
+the chosen config and reports the second epoch. Prints a table and saves JSON.
+
+    python benchmarks/throughput.py --data_path /data/full --config short --out benchmarks/results/h100.json
+    python benchmarks/throughput.py --variants fp32_w0,opt_w8 --data_path data/tiny --config tiny   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import run_variant, save_json, table  # noqa: E402
+
+OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
+VARIANTS = {
+    # the reference code's three setups (native loader)
+    "fp32_w0": ["--amp_mode", "none", "--num_data_workers", "0"],
+    "fp32_w8": ["--amp_mode", "none", "--num_data_workers", "8"],
+    "opt_w8": OPT + ["--num_data_workers", "8"],
+    # loaders
+    "opt_dali_w8": OPT + ["--data_loader_config", "dali", "--num_data_workers", "8"],
+    "opt_w4": OPT + ["--num_data_workers", "4"],
+    "opt_w12": OPT + ["--num_data_workers", "12"],
+    # one lever at a time, compute only (synthetic batches on the GPU)
+    "synthetic_fp32": ["--data_loader_config", "synthetic", "--amp_mode", "none"],
+    "synthetic_bf16": ["--data_loader_config", "synthetic", "--amp_mode", "bf16"],
+    "synthetic_bf16_fused": ["--data_loader_config", "synthetic", "--amp_mode", "bf16", "--enable_fused", "true"],
+    "synthetic_opt": ["--data_loader_config", "synthetic"] + OPT,
+    "synthetic_opt_cudnn": ["--data_loader_config", "synthetic", "--attention_backend", "cudnn"] + OPT,
+    "synthetic_opt_flash": ["--data_loader_config", "synthetic", "--attention_backend", "flash"] + OPT,
+    "synthetic_opt_autotune": ["--data_loader_config", "synthetic", "--compile_mode",
+                               "max-autotune-no-cudagraphs"] + OPT,
+}
+DEFAULT = "fp32_w0,fp32_w8,opt_w8,opt_dali_w8,synthetic_fp32,synthetic_bf16,synthetic_opt,synthetic_opt_cudnn"
+COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("MFU", "mfu", ".1%"),
+           ("data wait", "data_wait_share", ".0%"), ("peak alloc GiB", "memory.peak_allocated", ".2f"),
+           ("peak reserved GiB", "memory.peak_reserved", ".2f"), ("retries", "memory.alloc_retries", "d"),
+           ("wall s", "wall_s", ".0f")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="short")
+    ap.add_argument("--data_path", required=True)
+    ap.add_argument("--variants", default=DEFAULT, help=f"comma list from: {', '.join(VARIANTS)}")
+    ap.add_argument("--epochs", type=int, default=2, help="epochs per variant; the last one is reported")
+    ap.add_argument("--extra", default="", help="extra train.py arguments for every variant")
+    ap.add_argument("--expdir", default="/tmp/throughput_runs")
+    ap.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = ap.parse_args()
+
+    from utils.config import load_params
+    params = load_params("config/ViT.yaml", args.config)
+    steps = (params.limit_nsamples or 512) // params.global_batch_size
+    rows = []
+    for name in args.variants.split(","):
+        common = ["--config", args.config, "--data_path", args.data_path, "--num_iters", str(args.epochs * steps),
+                  "--valid_every", str(args.epochs), "--log_every", "1000"] + args.extra.split()
+        rows.append(run_variant(name, common + VARIANTS[name], Path(args.expdir)))
+    import torch
+    print(table(rows, COLUMNS))
+    save_json(Path(args.out), {"config": args.config, "date": datetime.datetime.now().isoformat(),
+                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                               "torch": torch.__version__, "host": platform.node(), "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Tests of utils/data_loader.py on small HDF5 files whose values encode where they came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from utils.config import load_params
+from utils.data_loader import ERA5Dataset, build_data
+from utils.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+C = 4  # channels of the `tiny` config
+IMG = (32, 64)  # img_size of the `tiny` config
+GRID = (34, 67)  # stored grid, larger than IMG so that cropping matters
+TRAIN_LENGTHS = (5, 3)  # time steps of train/2000.h5 and train/2001.h5
+VALID_LENGTHS = (4,)
+CPU = torch.device("cpu")
+
+
+def encode(file_no: int, t: int, shape=(C, *GRID)) -> np.ndarray:
+    """fields[t] of file ``file_no``: every (file, t, c, h, w) has its own exactly-representable value."""
+    c, h, w = np.meshgrid(*(np.arange(n) for n in shape), indexing="ij")
+    value = (((file_no * 10 + t) * shape[0] + c) * shape[1] + h) * shape[2] + w
+    assert value.max() < 2 ** 24  # exact in float32
+    return value.astype(np.float32)
+
+
+def write_file(path: Path, file_no: int, n_times: int, grid=GRID, channels=C, lat=True):
+    fields = np.stack([encode(file_no, t, (channels, *grid)) for t in range(n_times)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("fields", data=fields)
+        ds.attrs["channel_names"] = [f"var{i}" for i in range(channels)]
+        if lat:
+            f.create_dataset("latitude", data=np.linspace(89.0, -89.0, grid[0]))
+    return fields
+
+
+def write_stats(root: Path, rng=None):
+    rng = rng or np.random.default_rng(0)
+    stats = root / "stats"
+    stats.mkdir(parents=True, exist_ok=True)
+    mean = rng.uniform(1e4, 1e5, (1, C, 1, 1)).astype(np.float32)
+    std = rng.uniform(1e3, 1e4, (1, C, 1, 1)).astype(np.float32)
+    clim = rng.uniform(0, 1e5, (1, C, *GRID)).astype(np.float32)
+    np.save(stats / "global_means.npy", mean)
+    np.save(stats / "global_stds.npy", std)
+    np.save(stats / "time_means.npy", clim)
+    return mean, std, clim
+
+
+def make_layout(root: Path, train_lengths=TRAIN_LENGTHS, valid_lengths=VALID_LENGTHS):
+    """Write a complete data folder; returns {split: [fields per file]} and the stats."""
+    files = {}
+    for split, lengths, first in (("train", train_lengths, 0), ("valid", valid_lengths, 5)):
+        files[split] = [write_file(root / split / f"{2000 + first + i}.h5", first + i, n)
+                        for i, n in enumerate(lengths)]
+    return files, write_stats(root)
+
+
+def expected_pairs(fields_list, dt):
+    """Reference list of (file number, t) for each global sample index."""
+    return [(f, t) for f, fields in enumerate(fields_list) for t in range(fields.shape[0] - dt)]
+
+
+def crop(a):
+    return a[..., :IMG[0], :IMG[1]]
+
+
+def params_for(root: Path, **overrides):
+    ov = {"data_path": str(root), "num_data_workers": "0"}
+    ov.update({k: str(v) for k, v in overrides.items()})
+    return load_params(REPO / "config" / "ViT.yaml", "tiny", ov)
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    root = tmp_path_factory.mktemp("era5")
+    files, stats = make_layout(root)
+    return root, files, stats
+
+
+# ---------------------------------------------------------------- ERA5Dataset
+@pytest.mark.parametrize("dt", [1, 2])
+def test_dataset_returns_the_right_pairs(layout, dt):
+    root, files, _ = layout
+    ds = ERA5Dataset(root / "train", C, IMG, dt)
+    pairs = expected_pairs(files["train"], dt)
+    assert len(pairs) == sum(n - dt for n in TRAIN_LENGTHS)
+    assert len(ds) == len(pairs)
+    for index, (f, t) in enumerate(pairs):
+        inp, tar, idx = ds[index]
+        assert idx == index
+        assert inp.dtype == torch.float32 and inp.shape == (C, *IMG) and tar.shape == (C, *IMG)
+        np.testing.assert_array_equal(inp.numpy(), crop(files["train"][f][t]))
+        np.testing.assert_array_equal(tar.numpy(), crop(files["train"][f][t + dt]))
+        assert ds.locate(index) == (f, t)
+    with pytest.raises(IndexError):
+        ds[len(pairs)]
+    with pytest.raises(IndexError):
+        ds.locate(-1)
+
+
+def test_dataset_limit_nsamples(layout):
+    root, files, _ = layout
+    ds = ERA5Dataset(root / "train", C, IMG, 1, limit_nsamples=3)
+    assert len(ds) == 3
+    np.testing.assert_array_equal(ds[2][1].numpy(), crop(files["train"][0][3]))
+    with pytest.raises(IndexError):
+        ds[3]
+    # a limit above the number of samples changes nothing
+    assert len(ERA5Dataset(root / "train", C, IMG, 1, limit_nsamples=100)) == 6
+    assert len(ERA5Dataset(root / "train", C, IMG, 1, limit_nsamples=None)) == 6
+
+
+def test_dataset_describe(layout):
+    root, _, _ = layout
+    ds = ERA5Dataset(root / "train", C, IMG, 1)
+    assert ds.describe(0) == "train/2000.h5 time 0 -> 1"
+    assert ds.describe(3) == "train/2000.h5 time 3 -> 4"
+    assert ds.describe(4) == "train/2001.h5 time 0 -> 1"
+    assert ds.describe(5) == "train/2001.h5 time 1 -> 2"
+    ds2 = ERA5Dataset(root / "train", C, IMG, 2)
+    assert ds2.describe(3) == "train/2001.h5 time 0 -> 2"
+
+
+# ---------------------------------------------------------------- build_data
+def test_build_data_valid_batches_are_normalized_pairs(layout):
+    root, files, (mean, std, clim) = layout
+    data = build_data(params_for(root), 2, 0, 1, CPU)
+    assert data.channel_names == [f"var{i}" for i in range(C)]
+    np.testing.assert_allclose(data.latitude, np.linspace(89.0, -89.0, GRID[0])[:IMG[0]])
+    np.testing.assert_array_equal(data.stats.mean.numpy(), mean)
+    np.testing.assert_array_equal(data.stats.std.numpy(), std)
+    np.testing.assert_allclose(data.stats.clim.numpy(), (crop(clim) - mean) / std, rtol=1e-5, atol=1e-5)
+    assert data.train_samples == 6 and data.train_dataset is not None
+
+    pairs = expected_pairs(files["valid"], 1)
+    seen = []
+    for inp, tar, idx in data.valid:
+        assert inp.shape[1:] == (C, *IMG) and inp.dtype == torch.float32
+        for k, i in enumerate(idx.tolist()):
+            f, t = pairs[i]
+            fields = files["valid"][f]
+            np.testing.assert_allclose(inp[k].numpy(), (crop(fields[t]) - mean[0]) / std[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(tar[k].numpy(), (crop(fields[t + 1]) - mean[0]) / std[0], rtol=1e-5,
+                                       atol=1e-6)
+            seen.append(i)
+    assert seen == list(range(len(pairs)))  # validation: in order, every sample, last partial batch kept
+
+
+def test_build_data_train_batches_are_normalized_pairs(layout):
+    root, files, (mean, std, _) = layout
+    data = build_data(params_for(root, dt=2), 2, 0, 1, CPU)
+    pairs = expected_pairs(files["train"], 2)
+    n = 0
+    for inp, tar, idx in data.train:
+        assert inp.shape == (2, C, *IMG)  # drop_last: full batches only
+        for k, i in enumerate(idx.tolist()):
+            f, t = pairs[i]
+            fields = files["train"][f]
+            np.testing.assert_allclose(inp[k].numpy(), (crop(fields[t]) - mean[0]) / std[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(tar[k].numpy(), (crop(fields[t + 2]) - mean[0]) / std[0], rtol=1e-5,
+                                       atol=1e-6)
+            n += 1
+    assert n == 4 == data.train_samples
+
+
+def epoch_indices(batches, epoch):
+    batches.set_epoch(epoch)
+    return [i for _, _, idx in batches for i in idx.tolist()]
+
+
+@pytest.mark.parametrize("batch_size,per_rank", [(1, 3), (2, 2)])
+def test_train_shards_are_disjoint_across_ranks(layout, batch_size, per_rank):
+    root, _, _ = layout
+    params = params_for(root)
+    shards = []
+    for rank in range(2):
+        data = build_data(params, batch_size, rank, 2, CPU)
+        assert len(data.train) == 3 // batch_size
+        shards.append(epoch_indices(data.train, 0))
+        assert data.train_samples == (6 // 2 // batch_size) * batch_size * 2
+    a, b = shards
+    assert len(a) == len(b) == per_rank
+    assert not set(a) & set(b)
+    if batch_size == 1:
+        assert sorted(a + b) == list(range(6))  # every sample covered once per epoch
+    # validation is sharded as well: disjoint, equal shares (the sampler drops the odd sample out)
+    v = [epoch_indices(build_data(params, 1, r, 2, CPU).valid, 0) for r in range(2)]
+    assert not set(v[0]) & set(v[1])
+    assert len(v[0]) == len(v[1]) == 1 and set(v[0] + v[1]) <= {0, 1, 2}
+
+
+def test_set_epoch_changes_the_order(layout):
+    root, _, _ = layout
+    data = build_data(params_for(root), 1, 0, 1, CPU)
+    orders = [epoch_indices(data.train, e) for e in range(4)]
+    assert all(sorted(o) == list(range(6)) for o in orders)
+    assert len({tuple(o) for o in orders}) > 1
+    assert epoch_indices(data.train, 2) == orders[2]  # same epoch, same order
+    # same seed in a fresh build: same order; a different seed: a different one (for some epoch)
+    again = build_data(params_for(root), 1, 0, 1, CPU)
+    assert epoch_indices(again.train, 3) == orders[3]
+    other = build_data(params_for(root, seed=123), 1, 0, 1, CPU)
+    assert [epoch_indices(other.train, e) for e in range(4)] != orders
+
+
+def test_workers_give_the_same_batches(layout):
+    root, _, _ = layout
+    got = {}
+    for workers in (0, 2):
+        data = build_data(params_for(root, num_data_workers=workers), 2, 0, 1, CPU)
+        data.train.set_epoch(1)
+        got[workers] = [(i.clone(), t.clone(), idx.clone()) for i, t, idx in data.train]
+        del data
+    assert len(got[0]) == len(got[2]) == 3
+    for (i0, t0, x0), (i2, t2, x2) in zip(got[0], got[2]):
+        assert torch.equal(x0, x2)
+        assert torch.equal(i0, i2) and torch.equal(t0, t2)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_synthetic_loader_shapes(tmp_path, dp_size):
+    params = params_for(tmp_path / "nothing_here", data_loader_config="synthetic", limit_nsamples=64)
+    data = build_data(params, 4, 0, dp_size, CPU)
+    steps = 64 // (4 * dp_size)
+    assert len(data.train) == steps
+    batches = list(data.train)
+    assert len(batches) == steps
+    for inp, tar, idx in batches:
+        assert inp.shape == tar.shape == (4, C, *IMG)
+        assert inp.dtype == torch.float32
+        assert len(idx) == 4
+    assert not torch.equal(batches[0][0], batches[0][1])
+    assert len(data.valid) == -(-128 // (4 * dp_size))  # limit_nsamples_val null -> 128
+    assert data.train_samples == steps * 4 * dp_size
+    assert data.channel_names == [f"c{i}" for i in range(C)]
+    assert data.latitude.shape == (IMG[0],) and data.latitude[0] == 90.0 and data.latitude[-1] == -90.0
+    assert data.stats.clim.shape == (1, C, *IMG)
+    assert data.find_nonfinite([0, 1]) == []  # nothing to look up in synthetic data
+
+
+# ---------------------------------------------------------------- bad input
+def build(root, **overrides):
+    return build_data(params_for(root, **overrides), 1, 0, 1, CPU)
+
+
+def test_missing_data_path(tmp_path):
+    with pytest.raises(UserError, match="does not exist") as exc:
+        build(tmp_path / "missing")
+    assert str(tmp_path / "missing") in str(exc.value) and "--data_path" in str(exc.value)
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(UserError, match=r"no \.h5 files in") as exc:
+        build(tmp_path)
+    assert "train" in str(exc.value)
+
+
+def test_file_without_fields(tmp_path):
+    make_layout(tmp_path)
+    with h5py.File(tmp_path / "train" / "2002.h5", "w") as f:
+        f.create_dataset("temperature", data=np.zeros((3, C, *GRID), np.float32))
+    with pytest.raises(UserError, match="has no 'fields' dataset") as exc:
+        build(tmp_path)
+    assert "2002.h5" in str(exc.value) and "temperature" in str(exc.value)
+
+
+def test_file_that_is_not_hdf5(tmp_path):
+    make_layout(tmp_path)
+    (tmp_path / "train" / "2002.h5").write_text("not hdf5")
+    with pytest.raises(UserError, match="cannot read .*2002.h5 as HDF5"):
+        build(tmp_path)
+
+
+def test_wrong_dtype(tmp_path):
+    make_layout(tmp_path)
+    with h5py.File(tmp_path / "train" / "2002.h5", "w") as f:
+        f.create_dataset("fields", data=np.zeros((3, C, *GRID), np.float64))
+    with pytest.raises(UserError, match="must be float32"):
+        build(tmp_path)
+
+
+def test_wrong_channel_count(tmp_path):
+    make_layout(tmp_path)
+    write_file(tmp_path / "valid" / "2005.h5", 5, 4, channels=3)
+    with pytest.raises(UserError, match="has 3 channels but the config has n_in_channels=4") as exc:
+        build(tmp_path)
+    assert "--n_in_channels 3" in str(exc.value)
+
+
+def test_img_size_larger_than_grid(tmp_path):
+    make_layout(tmp_path)
+    with pytest.raises(UserError, match="larger than the 34x67 grid") as exc:
+        build(tmp_path, img_size="[64,64]")
+    assert "--img_size [34,67]" in str(exc.value)
+
+
+def test_too_few_time_steps_for_dt(tmp_path):
+    make_layout(tmp_path)
+    with pytest.raises(UserError, match="has 3 time steps, too few for dt=3") as exc:
+        build(tmp_path, dt=3)
+    assert "2001.h5" in str(exc.value) and "--dt" in str(exc.value)
+
+
+def test_fewer_samples_than_one_batch(tmp_path):
+    make_layout(tmp_path)
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        build_data(params_for(tmp_path), 4, 0, 2, CPU)
+
+
+@pytest.mark.parametrize("name", ["global_means", "global_stds", "time_means"])
+def test_missing_stats_file(tmp_path, name):
+    make_layout(tmp_path)
+    (tmp_path / "stats" / f"{name}.npy").unlink()
+    with pytest.raises(UserError, match=f"missing .*{name}.npy"):
+        build(tmp_path)
+
+
+@pytest.mark.parametrize("name,shape,pattern", [
+    ("global_means", (C,), r"global_means.npy has shape \(4,\), expected \(1, 4, 1, 1\)"),
+    ("global_stds", (1, C + 1, 1, 1), r"global_stds.npy has shape \(1, 5, 1, 1\)"),
+    ("time_means", (1, C, 8, 8), r"time_means.npy has shape \(1, 4, 8, 8\), expected \(1, 4, >=32, >=64\)"),
+    ("time_means", (C, *GRID), r"time_means.npy has shape"),
+])
+def test_wrong_stats_shape(tmp_path, name, shape, pattern):
+    make_layout(tmp_path)
+    np.save(tmp_path / "stats" / f"{name}.npy", np.ones(shape, np.float32))
+    with pytest.raises(UserError, match=pattern):
+        build(tmp_path)
+
+
+def test_non_positive_stds(tmp_path):
+    make_layout(tmp_path)
+    std = np.ones((1, C, 1, 1), np.float32)
+    std[0, 2] = 0.0
+    np.save(tmp_path / "stats" / "global_stds.npy", std)
+    with pytest.raises(UserError, match="non-positive"):
+        build(tmp_path)
+
+
+# ---------------------------------------------------------------- find_nonfinite
+def test_find_nonfinite_names_file_and_time(tmp_path):
+    make_layout(tmp_path)
+    with h5py.File(tmp_path / "train" / "2001.h5", "r+") as f:
+        f["fields"][1, 2, 5, 7] = np.nan
+        f["fields"][2, 0, IMG[0] + 1, 0] = np.inf  # outside the crop: never read, so harmless
+    data = build(tmp_path)
+    assert data.find_nonfinite(range(6)) == ["train/2001.h5 time 0 -> 1", "train/2001.h5 time 1 -> 2"]
+    assert data.find_nonfinite([0, 1, 2, 3]) == []
+    assert data.find_nonfinite([5]) == ["train/2001.h5 time 1 -> 2"]
+    # the NaN does reach the batches that contain those samples
+    hit = [bool(torch.isnan(torch.cat([i, t])).any()) for i, t, _ in data.valid]
+    assert not any(hit)
+    data.train.set_epoch(0)
+    for inp, tar, idx in data.train:
+        has_nan = bool(torch.isnan(inp).any() or torch.isnan(tar).any())
+        assert has_nan == (idx.item() in (4, 5))

@@ -1,0 +1,261 @@
+"""NVIDIA DALI data loader (``--data_loader_config dali``): the same batches as the native loader.
+
+Each data-parallel rank runs one DALI pipeline per split (train, valid), built lazily on first
+iteration::
+
+    fn.external_source(parallel=True, batch=False)   per-sample callback in py_num_workers spawned
+        |  raw float32 (C, H, W) input, target, int64 index     processes, reading HDF5 with h5py
+        |  .gpu()                                        on CUDA only
+        v  (x - mean) / std                              DALI arithmetic, mean/std (C, 1, 1) constants
+    torch tensors via DLPack (no copy: the dynamic executor gives every batch its own buffers)
+
+Equality with the native loader holds by construction: the callback takes the sample order
+from a ``DistributedSampler`` configured exactly as in ``utils.data_loader._loader`` (same seed,
+``set_epoch``), splits it into batches with the same last-batch policy, and reads samples with
+the same ``ERA5Dataset.locate``/``read``.
+
+Last batch: DALI pipelines run fixed-size batches, so an epoch is always a whole number of
+batches. Training drops the incomplete last batch (as the native ``drop_last=True``); validation
+pads it with zero samples (index -1, nothing is read) and trims them off before yielding, so
+its last batch is short, like the native loader's.
+
+Epochs: the worker processes cannot see ``set_epoch``, so the callback derives the epoch as
+``epoch_offset + SampleInfo.epoch_idx`` (DALI counts pipeline resets). A pipeline is built with
+``epoch_offset`` = the epoch asked for, and rebuilt (new workers) only when the epochs asked for
+stop being consecutive. An epoch that was not iterated to the end is finished by running its
+few remaining batches when at most ``DRAIN_LIMIT`` are left (e.g. with gradient accumulation),
+else the pipeline is rebuilt: DALI cannot reset a pipeline mid-epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+from utils.errors import UserError
+
+# finish an abandoned epoch by running at most this many batches; rebuild the pipeline otherwise
+DRAIN_LIMIT = 4
+PREFETCH_DEPTH = 2  # batches prepared ahead, by the workers and by the pipeline
+INSTALL_HINT = ("--data_loader_config dali needs NVIDIA DALI: pip install '.[dali]' (nvidia-dali-cuda120; "
+                "on CUDA 13 systems pip install nvidia-dali-cuda130), or use --data_loader_config pytorch")
+
+
+def _import_dali():
+    """Import DALI lazily (an optional dependency). Raises UserError with an install hint."""
+    try:
+        import nvidia.dali  # noqa: F401
+        from nvidia.dali import fn, types
+        from nvidia.dali.pipeline import Pipeline
+    except ImportError as exc:
+        raise UserError(f"{INSTALL_HINT} ({exc})") from None
+    return Pipeline, fn, types
+
+
+def _shard_sampler(n_samples: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int, epoch: int):
+    # built exactly like utils.data_loader._loader's sampler, so that the index order is the same
+    sampler = DistributedSampler(range(n_samples), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
+                                 seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+class SampleSource:
+    """Per-sample ``fn.external_source`` callback: ``SampleInfo`` -> ``(inp, tar, index)``.
+
+    ``inp``/``tar`` are raw float32 ``(C, H, W)`` fields of ``dataset`` (cropped, not normalized),
+    ``index`` a 0-d int64 array. Positions ``[n_real, n_batches * batch_size)`` of an epoch are
+    padding: zeros with index -1. Raises StopIteration at the end of an epoch.
+
+    Picklable for ``py_start_method="spawn"``: HDF5 handles are opened lazily in each worker
+    and dropped when pickling.
+    """
+
+    def __init__(self, dataset, *, dp_rank: int, dp_size: int, shuffle: bool, seed: int, batch_size: int,
+                 n_batches: int, epoch_offset: int):
+        self.dataset = dataset
+        self.dp_rank, self.dp_size, self.shuffle, self.seed = dp_rank, dp_size, shuffle, seed
+        self.epoch_len = n_batches * batch_size
+        self.epoch_offset = epoch_offset
+        self._order: list[int] = []
+        self._order_epoch: int | None = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        dataset = copy.copy(self.dataset)
+        dataset._handles = {}  # open h5py objects cannot be pickled; workers open their own
+        state["dataset"] = dataset
+        state["_order"], state["_order_epoch"] = [], None
+        return state
+
+    def order(self, epoch: int) -> list[int]:
+        """This rank's global sample indices for ``epoch``, in the native loader's order."""
+        if epoch != self._order_epoch:
+            self._order = list(_shard_sampler(len(self.dataset), self.dp_rank, self.dp_size, self.shuffle,
+                                              self.seed, epoch))
+            self._order_epoch = epoch
+        return self._order
+
+    def __call__(self, info):
+        if info.idx_in_epoch >= self.epoch_len:
+            raise StopIteration
+        order = self.order(self.epoch_offset + info.epoch_idx)
+        ds = self.dataset
+        if info.idx_in_epoch >= len(order):  # padding of the last validation batch
+            shape = (ds.n_channels, *ds.img_size)
+            return np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.array(-1, np.int64)
+        index = order[info.idx_in_epoch]
+        file_no, t = ds.locate(index)
+        return ds.read(file_no, t), ds.read(file_no, t + ds.dt), np.array(index, np.int64)
+
+
+class DaliBatches:
+    """Normalized ``(inp, tar, index)`` batches from a DALI pipeline; a drop-in for ``DeviceBatches``.
+
+    Yields ``inp``/``tar`` float32 ``(B, C, H, W)`` on ``device`` (normalized with ``stats``) and
+    ``index`` int64 ``(B,)`` on the CPU. ``B`` is ``batch_size`` except for the last validation
+    batch. On CUDA the pipeline runs on ``device`` (``.gpu()`` + normalization there); on the CPU
+    it is a CPU-only pipeline (``device_id=None``).
+
+    Raises:
+        UserError: DALI is not installed.
+    """
+
+    def __init__(self, dataset, *, batch_size: int, train: bool, dp_rank: int, dp_size: int, seed: int,
+                 num_workers: int, device: torch.device, stats):
+        self._dali = _import_dali()
+        self.dataset, self.batch_size, self.train = dataset, batch_size, train
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.num_workers = max(1, num_workers)  # the parallel source needs at least one worker
+        self.device = device
+        n_channels = stats.mean.shape[1]
+        # constants baked into the pipeline, shape (C, 1, 1) to broadcast over (C, H, W) samples
+        self._mean, self._std = (t.detach().to("cpu", torch.float32).numpy().reshape(n_channels, 1, 1)
+                                 for t in (stats.mean, stats.std))
+        self.n_real = _shard_sampler(len(dataset), dp_rank, dp_size, train, seed, 0).num_samples
+        self.n_batches = self.n_real // batch_size if train else math.ceil(self.n_real / batch_size)
+        self.epoch = 0
+        self._pipe = None
+        self._pipe_epoch = 0  # epoch of the pipeline's current DALI epoch
+        self._pos = 0  # batches taken from the pipeline in its current DALI epoch
+        self._token = 0  # identifies the newest iterator
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    # ------------------------------------------------------------------ pipeline
+    def _build(self, epoch: int):
+        Pipeline, fn, types = self._dali
+        cuda = self.device.type == "cuda"
+        device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if cuda else None
+        c, (h, w) = self.dataset.n_channels, self.dataset.img_size
+        source = SampleSource(self.dataset, dp_rank=self.dp_rank, dp_size=self.dp_size, shuffle=self.train,
+                              seed=self.seed, batch_size=self.batch_size, n_batches=self.n_batches,
+                              epoch_offset=epoch)
+        pipe = Pipeline(batch_size=self.batch_size, num_threads=max(1, min(4, os.cpu_count() or 1)),
+                        device_id=device_id, prefetch_queue_depth=PREFETCH_DEPTH, exec_dynamic=True,
+                        py_num_workers=self.num_workers, py_start_method="spawn")
+        with pipe:
+            inp, tar, idx = fn.external_source(source, num_outputs=3, batch=False, parallel=True,
+                                               prefetch_queue_depth=PREFETCH_DEPTH,
+                                               bytes_per_sample_hint=2 * 4 * c * h * w + 64)
+            where = "gpu" if cuda else "cpu"
+            if cuda:
+                inp, tar = inp.gpu(), tar.gpu()
+            mean = types.Constant(self._mean, device=where)
+            std = types.Constant(self._std, device=where)
+            # same float32 operations, in the same order, as DeviceBatches: (x - mean) / std
+            pipe.set_outputs((inp - mean) / std, (tar - mean) / std, idx)
+        pipe.build()  # spawns the workers
+        self._pipe, self._pipe_epoch, self._pos = pipe, epoch, 0
+
+    def close(self) -> None:
+        """Shut the pipeline down and end its worker processes (a later iteration builds a new one)."""
+        if self._pipe is not None:
+            self._pipe = None
+            # DALI ends the workers when the Pipeline object is collected; it may sit in a cycle
+            gc.collect()
+
+    def _run(self):
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return self._pipe.run(stream)  # CUDA outputs are ordered on the consumer's stream
+
+    def _finish_epoch(self) -> None:
+        """Run the current DALI epoch to its StopIteration and reset the pipeline for the next one."""
+        extra = 0
+        while True:
+            try:
+                self._run()
+            except StopIteration:
+                break
+            extra += 1
+            if self._pos + extra > self.n_batches:
+                raise RuntimeError(f"DALI pipeline gave more than the {self.n_batches} batches of an epoch")
+        self._pipe.reset()
+        self._pipe_epoch += 1
+        self._pos = 0
+
+    def _prepare(self, epoch: int) -> None:
+        """Leave a pipeline whose next batch is the first of ``epoch``."""
+        if self._pipe is not None and self._pos > 0:
+            if self.n_batches - self._pos <= DRAIN_LIMIT:
+                self._finish_epoch()
+            else:
+                self.close()
+        # without shuffling the order does not depend on the epoch
+        if self._pipe is not None and self.train and self._pipe_epoch != epoch:
+            self.close()
+        if self._pipe is None:
+            self._build(epoch)
+
+    # ------------------------------------------------------------------ iteration
+    def _to_torch(self, outputs):
+        inp, tar, idx = (torch.from_dlpack(out.as_tensor()) for out in outputs)
+        n = min(self.batch_size, self.n_real - (self._pos - 1) * self.batch_size)
+        if n < self.batch_size:  # trim the padding of the last validation batch
+            inp, tar, idx = inp[:n], tar[:n], idx[:n]
+        return inp, tar, idx
+
+    def _batches(self, token: int) -> Iterator:
+        while self._pos < self.n_batches:
+            if token != self._token:
+                raise RuntimeError("this DALI batch iterator was superseded by a newer iter() on the same loader")
+            try:
+                outputs = self._run()
+            except StopIteration:
+                raise RuntimeError(f"DALI pipeline ended after {self._pos} of {self.n_batches} batches") from None
+            self._pos += 1
+            yield self._to_torch(outputs)
+        self._finish_epoch()
+
+    def __iter__(self) -> Iterator:
+        self._token += 1
+        if self.n_batches == 0:  # an empty validation shard (fewer samples than ranks): no pipeline
+            return iter(())
+        self._prepare(self.epoch)
+        return self._batches(self._token)
+
+
+def dali_batches(dataset, params, batch_size: int, train: bool, dp_rank: int, dp_size: int,
+                 device: torch.device, stats) -> DaliBatches:
+    """The DALI counterpart of ``DeviceBatches(*_loader(...))`` for one split of one data-parallel rank.
+
+    ``dataset`` is an ``ERA5Dataset``; ``stats`` the ``Stats`` (mean/std ``(1, C, 1, 1)``) used to
+    normalize. Uses ``params.seed`` and ``params.num_data_workers`` (0 means 1 worker).
+
+    Raises:
+        UserError: DALI is not installed.
+    """
+    return DaliBatches(dataset, batch_size=batch_size, train=train, dp_rank=dp_rank, dp_size=dp_size,
+                       seed=params.seed, num_workers=params.num_data_workers, device=device, stats=stats)
