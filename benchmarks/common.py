@@ -13,20 +13,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | None = None,
-                timeout: int = 900) -> dict:
+                timeout: int = 900, entry: str = "train.py") -> dict:
     """Run ``train.py`` (under ``launcher``, e.g. torchrun) with ``args``; return its last epoch's metrics.
 
     The result holds the variant name, the command, the exit status and, on success, the fields of the
     last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory, ...).
     """
     run_num = name
-    cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py"), *args, "--expdir", str(expdir),
+    cmd = (launcher or [sys.executable]) + [str(ROOT / entry), *args, "--expdir", str(expdir),
                                             "--run_num", run_num, "--save_checkpoint", "false"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     result = {"variant": name, "command": " ".join(cmd), "returncode": proc.returncode,
-              "wall_s": round(time.perf_counter() - t0, 1)}
+              "wall_s": round(time.perf_counter() - t0, 1),
+              "profiler_log": [line for line in proc.stdout.splitlines() if "CUDA profiler" in line]}
     metrics = sorted(expdir.glob(f"*/*/{run_num}/metrics.jsonl"))
     if proc.returncode != 0 or not metrics:
         result["error"] = (proc.stderr or proc.stdout)[-3000:]

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "compute_split_shapes",
@@ -53,6 +54,10 @@ __all__ = [
     "split_along_dim",
 ]
 
+# Eager mode uses the in-place c10d collectives; under torch.compile the functional collectives are
+# used instead, because Dynamo's rewrite of in-place c10d calls inside autograd.Functions gave wrong
+# results with NCCL + inductor (PyTorch 2.11, pytorch/pytorch#174280) while the functional ones trace
+# cleanly into one graph.
 # torch >= 2.13 renamed the single-tensor collectives; keep older releases working.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -136,13 +141,21 @@ def all_gather_uneven(x: torch.Tensor, dim: int, shapes: Sequence[int] | None,
                          f"but shapes says {shapes[group_rank(group)]}")
     xm = x.movedim(dim, 0)
     width = max(shapes)
-    padded = xm.new_zeros((width,) + xm.shape[1:])
-    padded[: xm.shape[0]] = xm
-    out = xm.new_empty((n * width,) + xm.shape[1:])
-    _ALL_GATHER_SINGLE(out, padded, group=group)
+    even = min(shapes) == width
+    if even:  # no padding needed: gather straight into the concatenated layout
+        padded = xm.contiguous()
+    else:
+        padded = xm.new_zeros((width,) + xm.shape[1:])
+        padded[: xm.shape[0]] = xm
+    if _compiling():
+        out = funcol.all_gather_tensor(padded, 0, group)
+    else:
+        out = xm.new_empty((n * width,) + xm.shape[1:])
+        _ALL_GATHER_SINGLE(out, padded, group=group)
+    if even:
+        return out.movedim(0, dim)
     out = out.view((n, width) + xm.shape[1:])
-    parts = [out[r, : shapes[r]] for r in range(n)]
-    return torch.cat(parts, 0).movedim(0, dim)
+    return torch.cat([out[r, : shapes[r]] for r in range(n)], 0).movedim(0, dim)
 
 
 def reduce_scatter_uneven(x: torch.Tensor, dim: int, shapes: Sequence[int] | None,
@@ -164,15 +177,28 @@ def reduce_scatter_uneven(x: torch.Tensor, dim: int, shapes: Sequence[int] | Non
         raise ValueError(f"shapes {shapes} do not sum to the size {x.shape[dim]} of dim {dim}")
     xm = x.movedim(dim, 0)
     width = max(shapes)
-    stacked = xm.new_zeros((n, width) + xm.shape[1:])
-    for r, chunk in enumerate(torch.split(xm, shapes, 0)):
-        stacked[r, : shapes[r]] = chunk
-    out = xm.new_empty((width,) + xm.shape[1:])
-    _REDUCE_SCATTER_SINGLE(out, stacked.view((n * width,) + xm.shape[1:]), group=group)
+    if min(shapes) == width:  # already the concatenation of equal chunks
+        stacked = xm.contiguous()
+    else:
+        stacked = xm.new_zeros((n, width) + xm.shape[1:])
+        for r, chunk in enumerate(torch.split(xm, shapes, 0)):
+            stacked[r, : shapes[r]] = chunk
+        stacked = stacked.view((n * width,) + xm.shape[1:])
+    if _compiling():
+        out = funcol.reduce_scatter_tensor(stacked, "sum", 0, group)
+    else:
+        out = xm.new_empty((width,) + xm.shape[1:])
+        _REDUCE_SCATTER_SINGLE(out, stacked, group=group)
     return out[: shapes[group_rank(group)]].movedim(0, dim)
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if _compiling():
+        return funcol.all_reduce(x.contiguous(), "sum", group)
     # Out of place: the input may be saved by autograd or be a gradient buffer shared elsewhere.
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)

@@ -74,6 +74,8 @@ class TensorContextParallelViT(VisionTransformer):
     """
 
     parallel_groups: ParallelGroups
+    # marker read by distributed.parallelize (which avoids importing this module eagerly)
+    _tensor_context_parallel = True
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ pytest.importorskip("nvidia.dali")
 
 from utils.config import load_params  # noqa: E402
 from utils.data_loader import build_data  # noqa: E402
+from utils.dali_loader import DRAIN_LIMIT  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,17 +55,35 @@ def assert_same(dali: list, native: list, what: str) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what} batch {i} {name}: {m}")
 
 
-def dali_workers() -> list:
-    return [p for p in multiprocessing.active_children() if p.is_alive()]
+@pytest.fixture(scope="module")
+def loaders(tiny_data):
+    """``get(dp_size, dp_rank, **overrides)`` -> (DALI Data, native Data), built once per module."""
+    made = {}
+
+    def get(dp_size: int = 1, dp_rank: int = 0, **overrides):
+        key = (dp_size, dp_rank, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = (make_data(tiny_data, "dali", dp_rank, dp_size, **overrides),
+                         make_data(tiny_data, "pytorch", dp_rank, dp_size, **overrides))
+        return made[key]
+
+    get.made = made
+    get.other_children = set(multiprocessing.active_children())  # not DALI's: other tests' workers
+    yield get
+    for dali, _ in made.values():
+        dali.train.close(), dali.valid.close()
 
 
-@pytest.mark.parametrize("dp_size,dp_rank", [(1, 0), (2, 0), (2, 1)])
-def test_dali_batches_equal_native_batches(tiny_data, dp_size, dp_rank):
-    dali = make_data(tiny_data, "dali", dp_rank, dp_size)
-    native = make_data(tiny_data, "pytorch", dp_rank, dp_size)
+# the last case: a validation shard (6 samples) smaller than one batch, and no worker asked for
+@pytest.mark.parametrize("dp_size,dp_rank,overrides", [
+    pytest.param(1, 0, {}, id="dp1"),
+    pytest.param(2, 0, {}, id="dp2-rank0"),
+    pytest.param(2, 1, {"limit_nsamples_val": 13, "num_data_workers": 0}, id="dp2-rank1-small-valid-0-workers")])
+def test_dali_batches_equal_native_batches(loaders, dp_size, dp_rank, overrides):
+    dali, native = loaders(dp_size, dp_rank, **overrides)
     for split in ("train", "valid"):
         assert len(getattr(dali, split)) == len(getattr(native, split)) > 0
-    n_train, n_valid = len(dali.train_dataset), len(native.valid.loader.dataset)
+    n_train, n_valid = len(dali.train_dataset), len(dali.valid.dataset)
     # the last-batch policy matters: samples per rank do not fill whole batches
     assert (n_train // dp_size) % BATCH and (n_valid // dp_size) % BATCH
 
@@ -82,50 +102,48 @@ def test_dali_batches_equal_native_batches(tiny_data, dp_size, dp_rank):
                        torch.arange(n_valid)[dp_rank:n_valid - n_valid % dp_size:dp_size])
     assert_same(epoch_batches(dali.valid), epoch_batches(native.valid), "valid, second pass")
 
-    dali.train.close(), dali.valid.close()
-    assert not dali_workers(), "DALI worker processes left after close()"
 
-
-def test_abandoned_and_skipped_epochs(tiny_data):
+def test_abandoned_and_skipped_epochs(loaders):
     """Epochs left early (gradient accumulation, a break) and non-consecutive epochs (resume)."""
-    dali = make_data(tiny_data, "dali")
-    native = make_data(tiny_data, "pytorch")
-    n = len(dali.train)
-    assert n > 4
+    dali, native = loaders()
+    train, n = dali.train, len(dali.train)
+    assert n > DRAIN_LIMIT + 2
 
-    # epoch 0 stopped one batch short: the rest is drained and the pipeline reused for epoch 1
-    assert_same(epoch_batches(dali.train, 0, limit=n - 1), epoch_batches(native.train, 0, limit=n - 1), "epoch 0")
-    pipe = dali.train._pipe
-    assert_same(epoch_batches(dali.train, 1), epoch_batches(native.train, 1), "epoch 1 after a short epoch 0")
-    assert dali.train._pipe is pipe
+    # epoch 2 stopped one batch short: the rest is drained and the pipeline reused for epoch 3
+    assert_same(epoch_batches(train, 2, limit=n - 1), epoch_batches(native.train, 2, limit=n - 1), "epoch 2")
+    pipe = weakref.ref(train._pipe)
+    assert_same(epoch_batches(train, 3), epoch_batches(native.train, 3), "epoch 3 after a short epoch 2")
+    # the trainer's pattern: every batch taken with next(), the iterator never exhausted
+    train.set_epoch(4)
+    it = iter(train)
+    assert_same([next(it) for _ in range(n)], epoch_batches(native.train, 4), "epoch 4")
+    assert_same(epoch_batches(train, 5, limit=2), epoch_batches(native.train, 5, limit=2), "epoch 5")
+    assert train._pipe is pipe(), "a pipeline at the right epoch must be reused"
 
-    # the trainer's pattern: the next iter() comes before the finished iterator is exhausted
-    it = iter(dali.train)  # epoch 1 again: rebuilt, since the pipeline has moved on to epoch 2
-    got = [next(it) for _ in range(n)]
-    assert_same(got, epoch_batches(native.train, 1), "epoch 1 again")
-
-    # most of epoch 2 left, then a jump to epoch 5 (resuming from a checkpoint)
-    assert_same(epoch_batches(dali.train, 2, limit=2), epoch_batches(native.train, 2, limit=2), "epoch 2")
-    assert_same(epoch_batches(dali.train, 5), epoch_batches(native.train, 5), "epoch 5 after a jump")
+    # most of epoch 5 left, then a jump to epoch 8 (resuming from a checkpoint): a new pipeline
+    assert_same(epoch_batches(train, 8), epoch_batches(native.train, 8), "epoch 8 after a jump")
+    assert pipe() is None, "the replaced pipeline must be released"
 
     # a superseded iterator refuses to go on instead of giving batches of another epoch
-    old = iter(dali.train)
-    next(old)
-    new = iter(dali.train)
+    train.set_epoch(9)
+    old = iter(train)
+    for _ in range(n - 1):
+        next(old)
+    train.set_epoch(10)
+    new = iter(train)
     with pytest.raises(RuntimeError, match="superseded"):
         next(old)
-    del new
-    dali.train.close()
-    assert not dali_workers()
+    assert_same([next(new)], epoch_batches(native.train, 10, limit=1), "epoch 10")
 
 
-def test_valid_shard_smaller_than_a_batch(tiny_data):
-    dali = make_data(tiny_data, "dali", limit_nsamples_val=5)
-    native = make_data(tiny_data, "pytorch", limit_nsamples_val=5)
-    got = epoch_batches(dali.valid)
-    assert len(dali.valid) == 1 and len(got[0][2]) == 5
-    assert_same(got, epoch_batches(native.valid), "valid of 5 samples")
-    dali.valid.close()
+def test_close_ends_the_worker_processes(loaders):
+    dali, _ = loaders()
+    next(iter(dali.valid))  # a pipeline with running workers, if none was left by the tests above
+    assert set(multiprocessing.active_children()) - loaders.other_children
+    for dali, _ in loaders.made.values():
+        dali.train.close(), dali.valid.close()
+    left = set(multiprocessing.active_children()) - loaders.other_children
+    assert not left, f"DALI worker processes left after close(): {left}"
 
 
 def test_missing_dali_is_a_user_error(tiny_data, monkeypatch):

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed.layers import (
     DistributedAttention,
@@ -383,6 +385,68 @@ def _model_worker(rank, world):
 
 def test_vit_tensor_context_parallel_training():
     run_distributed(_model_worker, 4)
+
+
+def _compile_worker(rank, world):
+    """tp x cp under torch.compile traces into one graph (functional collectives) with exact gradients."""
+    from torch._dynamo.utils import counters
+
+    _, _, (_, tp, cp) = _mesh_configs()
+    ref = _vit((12, 20), 3, torch.float64)
+    model = apply_tensor_context_parallel(copy.deepcopy(ref), tp, cp)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, y = _rand((2, 3, 12, 20), 10), _rand((2, 2, 12, 20), 20)
+    out_ref = ref(x)
+    F.mse_loss(out_ref, y).backward()
+    out = compiled(x)
+    F.mse_loss(out, y).backward()
+    reduce_replicated_gradients(model)
+    _close(out, out_ref, F64, "compiled output")
+    grads = _full_grads(model)
+    for name, p in ref.named_parameters():
+        _close(grads[name], p.grad, F64, f"compiled {name} grad")
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_torch_compile_tp_cp():
+    run_distributed(_compile_worker, 4)
+
+
+# ----------------------------------------------------------------------------- data parallel on top
+
+
+def _dp_worker(rank, world):
+    """FSDP2 over dp with tp or cp, DDP over dp with cp: each dp rank trains on half of the global batch."""
+    for wrap, inner in [("fsdp", "tp"), ("fsdp", "cp"), ("ddp", "cp")]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", inner))
+        group = mesh[inner].get_group()
+        ref = _vit((12, 20), 3, torch.float64)
+        model = apply_tensor_context_parallel(copy.deepcopy(ref), *((group, None) if inner == "tp" else (None, group)))
+        if wrap == "fsdp":
+            for blk in model.blocks:
+                fully_shard(blk, mesh=mesh["dp"])
+            fwd = fully_shard(model, mesh=mesh["dp"])
+        else:
+            fwd = DDP(model, process_group=mesh["dp"].get_group())
+        opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        mine = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+        for step in range(2):
+            x, y = _rand((4, 3, 12, 20), 10 + step), _rand((4, 2, 12, 20), 20 + step)
+            F.mse_loss(ref(x), y).backward()
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            F.mse_loss(fwd(x[mine]), y[mine]).backward()  # DDP / FSDP average over dp
+            reduce_replicated_gradients(model)  # then sum over cp
+            _close(clip_grad_norm_(model, 0.05), norm_ref, F64, f"{wrap} x {inner} grad norm")
+            opt_ref.step(), opt.step()
+            opt_ref.zero_grad(), opt.zero_grad()
+        sd = full_state_dict(model)
+        for name, t in ref.state_dict().items():
+            _close(sd[name], t, F64, f"{wrap} x {inner} {name}")
+
+
+def test_composes_with_fsdp_and_ddp():
+    run_distributed(_dp_worker, 4)
 
 
 # ----------------------------------------------------------------------------- single process

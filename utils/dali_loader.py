@@ -10,9 +10,9 @@ iteration::
     torch tensors via DLPack (no copy: the dynamic executor gives every batch its own buffers)
 
 Equality with the native loader holds by construction: the callback takes the sample order
-from a ``DistributedSampler`` configured exactly as in ``utils.data_loader._loader`` (same seed,
-``set_epoch``), splits it into batches with the same last-batch policy, and reads samples with
-the same ``ERA5Dataset.locate``/``read``.
+from the native loader's sampler (``utils.data_loader.make_sampler``: same seed, ``set_epoch``),
+splits it into batches with the same last-batch policy, and reads samples with the same
+``ERA5Dataset.locate``/``read``.
 
 Last batch: DALI pipelines run fixed-size batches, so an epoch is always a whole number of
 batches. Training drops the incomplete last batch (as the native ``drop_last=True``); validation
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from utils.data_loader import ERA5Dataset, Stats, make_sampler
 from utils.errors import UserError
 
 # finish an abandoned epoch by running at most this many batches; rebuild the pipeline otherwise
@@ -59,29 +60,20 @@ def _import_dali():
     return Pipeline, fn, types
 
 
-def _shard_sampler(n_samples: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int, epoch: int):
-    # built exactly like utils.data_loader._loader's sampler, so that the index order is the same
-    sampler = DistributedSampler(range(n_samples), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle,
-                                 seed=seed, drop_last=True)
-    sampler.set_epoch(epoch)
-    return sampler
-
-
 class SampleSource:
     """Per-sample ``fn.external_source`` callback: ``SampleInfo`` -> ``(inp, tar, index)``.
 
-    ``inp``/``tar`` are raw float32 ``(C, H, W)`` fields of ``dataset`` (cropped, not normalized),
-    ``index`` a 0-d int64 array. Positions ``[n_real, n_batches * batch_size)`` of an epoch are
-    padding: zeros with index -1. Raises StopIteration at the end of an epoch.
+    ``inp``/``tar`` are raw float32 ``(C, H, W)`` fields of ``sampler.dataset`` (an ERA5Dataset;
+    cropped, not normalized), ``index`` a 0-d int64 array. The order of an epoch is the sampler's
+    for that epoch; positions ``[len(sampler), n_batches * batch_size)`` are padding: zeros with
+    index -1. Raises StopIteration at the end of an epoch.
 
     Picklable for ``py_start_method="spawn"``: HDF5 handles are opened lazily in each worker
     and dropped when pickling.
     """
 
-    def __init__(self, dataset, *, dp_rank: int, dp_size: int, shuffle: bool, seed: int, batch_size: int,
-                 n_batches: int, epoch_offset: int):
-        self.dataset = dataset
-        self.dp_rank, self.dp_size, self.shuffle, self.seed = dp_rank, dp_size, shuffle, seed
+    def __init__(self, sampler: DistributedSampler, *, batch_size: int, n_batches: int, epoch_offset: int):
+        self.sampler = sampler
         self.epoch_len = n_batches * batch_size
         self.epoch_offset = epoch_offset
         self._order: list[int] = []
@@ -89,25 +81,24 @@ class SampleSource:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        dataset = copy.copy(self.dataset)
+        sampler, dataset = copy.copy(self.sampler), copy.copy(self.sampler.dataset)
         dataset._handles = {}  # open h5py objects cannot be pickled; workers open their own
-        state["dataset"] = dataset
-        state["_order"], state["_order_epoch"] = [], None
+        sampler.dataset = dataset
+        state["sampler"], state["_order"], state["_order_epoch"] = sampler, [], None
         return state
 
     def order(self, epoch: int) -> list[int]:
         """This rank's global sample indices for ``epoch``, in the native loader's order."""
         if epoch != self._order_epoch:
-            self._order = list(_shard_sampler(len(self.dataset), self.dp_rank, self.dp_size, self.shuffle,
-                                              self.seed, epoch))
-            self._order_epoch = epoch
+            self.sampler.set_epoch(epoch)
+            self._order, self._order_epoch = list(self.sampler), epoch
         return self._order
 
     def __call__(self, info):
         if info.idx_in_epoch >= self.epoch_len:
             raise StopIteration
         order = self.order(self.epoch_offset + info.epoch_idx)
-        ds = self.dataset
+        ds = self.sampler.dataset
         if info.idx_in_epoch >= len(order):  # padding of the last validation batch
             shape = (ds.n_channels, *ds.img_size)
             return np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.array(-1, np.int64)
@@ -119,27 +110,28 @@ class SampleSource:
 class DaliBatches:
     """Normalized ``(inp, tar, index)`` batches from a DALI pipeline; a drop-in for ``DeviceBatches``.
 
-    Yields ``inp``/``tar`` float32 ``(B, C, H, W)`` on ``device`` (normalized with ``stats``) and
-    ``index`` int64 ``(B,)`` on the CPU. ``B`` is ``batch_size`` except for the last validation
-    batch. On CUDA the pipeline runs on ``device`` (``.gpu()`` + normalization there); on the CPU
-    it is a CPU-only pipeline (``device_id=None``).
+    ``sampler`` orders and shards the samples of ``dataset`` (the native loader's, see
+    ``make_sampler``); ``train`` drops the incomplete last batch, otherwise it is kept. Yields
+    ``inp``/``tar`` float32 ``(B, C, H, W)`` on ``device`` (normalized with ``stats``) and ``index``
+    int64 ``(B,)`` on the CPU; ``B`` is ``batch_size`` except for the last validation batch. On
+    CUDA the pipeline runs on ``device`` (``.gpu()``, normalization there); on the CPU it is a
+    CPU-only pipeline (``device_id=None``). Only the newest iterator of a loader may be used.
 
     Raises:
         UserError: DALI is not installed.
     """
 
-    def __init__(self, dataset, *, batch_size: int, train: bool, dp_rank: int, dp_size: int, seed: int,
-                 num_workers: int, device: torch.device, stats):
+    def __init__(self, dataset: ERA5Dataset, sampler: DistributedSampler, *, batch_size: int, train: bool,
+                 num_workers: int, device: torch.device, stats: Stats):
         self._dali = _import_dali()
-        self.dataset, self.batch_size, self.train = dataset, batch_size, train
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dataset, self.sampler, self.batch_size, self.train = dataset, sampler, batch_size, train
         self.num_workers = max(1, num_workers)  # the parallel source needs at least one worker
         self.device = device
         n_channels = stats.mean.shape[1]
         # constants baked into the pipeline, shape (C, 1, 1) to broadcast over (C, H, W) samples
         self._mean, self._std = (t.detach().to("cpu", torch.float32).numpy().reshape(n_channels, 1, 1)
                                  for t in (stats.mean, stats.std))
-        self.n_real = _shard_sampler(len(dataset), dp_rank, dp_size, train, seed, 0).num_samples
+        self.n_real = len(sampler)
         self.n_batches = self.n_real // batch_size if train else math.ceil(self.n_real / batch_size)
         self.epoch = 0
         self._pipe = None
@@ -160,8 +152,7 @@ class DaliBatches:
         device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
         c, (h, w) = self.dataset.n_channels, self.dataset.img_size
-        source = SampleSource(self.dataset, dp_rank=self.dp_rank, dp_size=self.dp_size, shuffle=self.train,
-                              seed=self.seed, batch_size=self.batch_size, n_batches=self.n_batches,
+        source = SampleSource(self.sampler, batch_size=self.batch_size, n_batches=self.n_batches,
                               epoch_offset=epoch)
         pipe = Pipeline(batch_size=self.batch_size, num_threads=max(1, min(4, os.cpu_count() or 1)),
                         device_id=device_id, prefetch_queue_depth=PREFETCH_DEPTH, exec_dynamic=True,
@@ -182,6 +173,7 @@ class DaliBatches:
 
     def close(self) -> None:
         """Shut the pipeline down and end its worker processes (a later iteration builds a new one)."""
+        self._token += 1  # iterators made before cannot go on
         if self._pipe is not None:
             self._pipe = None
             # DALI ends the workers when the Pipeline object is collected; it may sit in a cycle
@@ -214,7 +206,7 @@ class DaliBatches:
             else:
                 self.close()
         # without shuffling the order does not depend on the epoch
-        if self._pipe is not None and self.train and self._pipe_epoch != epoch:
+        if self._pipe is not None and self.sampler.shuffle and self._pipe_epoch != epoch:
             self.close()
         if self._pipe is None:
             self._build(epoch)
@@ -228,13 +220,20 @@ class DaliBatches:
         return inp, tar, idx
 
     def _batches(self, token: int) -> Iterator:
-        while self._pos < self.n_batches:
+        while True:
             if token != self._token:
-                raise RuntimeError("this DALI batch iterator was superseded by a newer iter() on the same loader")
+                raise RuntimeError("this DALI batch iterator was superseded: the loader was iterated again "
+                                   "or closed since")
+            if self._pos == self.n_batches:
+                break
             try:
                 outputs = self._run()
             except StopIteration:
+                self.close()
                 raise RuntimeError(f"DALI pipeline ended after {self._pos} of {self.n_batches} batches") from None
+            except BaseException:
+                self.close()  # e.g. a read error in a worker: the pipeline's state is unknown
+                raise
             self._pos += 1
             yield self._to_torch(outputs)
         self._finish_epoch()
@@ -247,15 +246,15 @@ class DaliBatches:
         return self._batches(self._token)
 
 
-def dali_batches(dataset, params, batch_size: int, train: bool, dp_rank: int, dp_size: int,
-                 device: torch.device, stats) -> DaliBatches:
-    """The DALI counterpart of ``DeviceBatches(*_loader(...))`` for one split of one data-parallel rank.
+def dali_batches(dataset: ERA5Dataset, params, batch_size: int, train: bool, dp_rank: int, dp_size: int,
+                 device: torch.device, stats: Stats) -> DaliBatches:
+    """The DALI counterpart of the native ``DeviceBatches`` for one split of one data-parallel rank.
 
-    ``dataset`` is an ``ERA5Dataset``; ``stats`` the ``Stats`` (mean/std ``(1, C, 1, 1)``) used to
-    normalize. Uses ``params.seed`` and ``params.num_data_workers`` (0 means 1 worker).
+    ``stats`` holds the mean/std ``(1, C, 1, 1)`` used to normalize. Uses ``params.seed`` (through
+    ``make_sampler``) and ``params.num_data_workers`` (0 means 1 worker).
 
     Raises:
         UserError: DALI is not installed.
     """
-    return DaliBatches(dataset, batch_size=batch_size, train=train, dp_rank=dp_rank, dp_size=dp_size,
-                       seed=params.seed, num_workers=params.num_data_workers, device=device, stats=stats)
+    return DaliBatches(dataset, make_sampler(dataset, params, train, dp_rank, dp_size), batch_size=batch_size,
+                       train=train, num_workers=params.num_data_workers, device=device, stats=stats)

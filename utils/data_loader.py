@@ -246,7 +246,7 @@ class DeviceBatches:
     """
 
     def __init__(self, dataset: ERA5Dataset, sampler: DistributedSampler, batch_size: int, drop_last: bool,
-                 num_workers: int, *, device: torch.device, stats: Stats):
+                 num_workers: int, *, device: torch.device, stats: Stats, ring_cache: dict | None = None):
         self.batches = NumberedBatches(sampler, batch_size, drop_last)
         self.sampler, self.device, self.stats = sampler, device, stats
         self.cuda = device.type == "cuda"
@@ -257,6 +257,7 @@ class DeviceBatches:
         self.loader = (DataLoader(self.filler, batch_size=None, sampler=self.batches, num_workers=num_workers,
                                   persistent_workers=True, prefetch_factor=2) if num_workers else None)
         self.copied: list = [None] * self.slots.k  # per slot: CUDA event of its last host-to-device copy
+        self.ring_cache = {} if ring_cache is None else ring_cache  # shared by train and valid
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -280,44 +281,63 @@ class DeviceBatches:
                 self._wait_slot(batch_no)
                 yield self.filler[(batch_no, indices)]
 
-    def _to_device(self, batch_no: int, indices: torch.Tensor):
+    def _to_device(self, batch_no: int, indices: torch.Tensor, out: torch.Tensor | None = None):
+        """Copy a batch out of its slot (into ``out`` on CUDA) and normalize it."""
         n = len(indices)
         host = self.slots.buf[batch_no % self.slots.k, :, :n]
-        data = host.to(self.device, non_blocking=True)
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self.copied[batch_no % self.slots.k] = event
-        data = (data - self.stats.mean) / self.stats.std  # a new tensor: the slot is free after the copy
+        if out is None:  # CPU: normalization writes a new tensor, so the slot is free at once
+            data = (host - self.stats.mean) / self.stats.std
+            return data[0], data[1], indices
+        data = out[:, :n]
+        data.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.copied[batch_no % self.slots.k] = event
+        data.sub_(self.stats.mean).div_(self.stats.std)
         return data[0], data[1], indices
 
     def __iter__(self) -> Iterator:
         if not self.cuda:
             yield from (self._to_device(*item) for item in self._source())
             return
+        # Three device buffers, reused: batch j + 1 is copied while step j runs, into the buffer
+        # of batch j - 2, which the compute stream has finished with once it gets past step j - 1.
+        # Fixed buffers keep the side stream from growing the caching allocator's reserved pool.
+        ring = self.device_ring()
         stream = torch.cuda.Stream(self.device)
-        stream.synchronize()
         compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)
         source = self._source()
 
-        def prefetch():
+        def prefetch(j: int):
             item = next(source, None)
             if item is None:
                 return None
+            released = torch.cuda.Event()
+            released.record(compute)
             with torch.cuda.stream(stream):
-                out = self._to_device(*item)
+                stream.wait_event(released)
+                out = self._to_device(*item, out=ring[j % len(ring)])
                 ready = torch.cuda.Event()
                 ready.record(stream)
             return out, ready
 
-        pending = prefetch()
+        j = 0
+        pending = prefetch(j)
         while pending is not None:
-            (inp, tar, idx), ready = pending
+            batch, ready = pending
             compute.wait_event(ready)
-            inp.record_stream(compute)  # made on the side stream, used on the compute stream
-            tar.record_stream(compute)
-            pending = prefetch()
-            yield inp, tar, idx
+            j += 1
+            pending = prefetch(j)
+            yield batch
+
+    def device_ring(self) -> torch.Tensor:
+        """The three ``(2, B, C, H, W)`` device buffers batches are copied into (made on first use,
+        shared through ``ring_cache`` by loaders that never run at the same time)."""
+        shape = (3, *self.slots.buf.shape[1:])
+        if shape not in self.ring_cache:
+            self.ring_cache[shape] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self.ring_cache[shape]
 
 
 class SyntheticBatches:
@@ -432,8 +452,10 @@ def build_data(params, batch_size: int, dp_rank: int, dp_size: int, device: torc
         train, valid = (dali_batches(ds, params, batch_size, is_train, dp_rank, dp_size, device, stats)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     else:
+        rings: dict = {}
         train, valid = (DeviceBatches(ds, make_sampler(ds, params, is_train, dp_rank, dp_size), batch_size,
-                                      is_train, params.num_data_workers, device=device, stats=stats)
+                                      is_train, params.num_data_workers, device=device, stats=stats,
+                                      ring_cache=rings)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
     return Data(train, valid, stats, names, lat, n_train, train_ds)

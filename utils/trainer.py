@@ -272,7 +272,7 @@ class Trainer:
             sums[-2] += relative_l2_loss(pred, tar) * b
             sums[-1] += b
             if first is None:
-                first = (pred[0], tar[0])
+                first = (pred[0].clone(), tar[0].clone())  # loader buffers are reused
         _all_reduce(sums, self.world.group("dp"))
         n = max(1.0, sums[-1].item())
         values = (sums / n).tolist()

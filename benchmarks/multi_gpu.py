@@ -1,0 +1,121 @@
+"""Multi-GPU suites on one node (torchrun): weak scaling (DDP), FSDP memory, tensor/context parallel.
+
+    python benchmarks/multi_gpu.py --suite scaling --gpus 1,2,4 --out benchmarks/results/scaling.json
+    python benchmarks/multi_gpu.py --suite fsdp --data_path /data/full --out benchmarks/results/fsdp.json
+    python benchmarks/multi_gpu.py --suite vit2b --out benchmarks/results/vit2b.json
+    python benchmarks/multi_gpu.py --suite tp --data_path /data/full --out benchmarks/results/tp.json
+
+Each variant is a ``train.py`` (or ``train_mp.py``) run of two epochs; the second epoch's samples/s,
+MFU and per-GPU memory (maximum over ranks) are reported. Prints a table and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import run_variant, save_json, table  # noqa: E402
+
+OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
+SYNTH = ["--data_loader_config", "synthetic"]
+
+
+def scaling(args) -> list[tuple]:
+    """Weak scaling: local batch 16 per GPU, 32 steps per epoch whatever the GPU count."""
+    out = []
+    for n in map(int, args.gpus.split(",")):
+        out.append((f"ddp_{n}gpu", n, ["--config", "short", "--local_batch_size", "16",
+                                       "--limit_nsamples", str(512 * n)] + OPT + SYNTH))
+    return out
+
+
+def fsdp(args) -> list[tuple]:
+    """``mp`` (embed 1024) at local batch 16 on all GPUs: DDP vs ZeRO-2 / ZeRO-3 / ZeRO-3 + AC."""
+    n = args.gpus_max
+    base = ["--config", "mp", "--local_batch_size", "16", "--limit_nsamples", str(16 * n * args.steps)] + OPT + SYNTH
+    return [(f"mp_{name}", n, base + extra) for name, extra in (
+        ("ddp", []), ("zero2", ["--fsdp", "zero2"]), ("zero3", ["--fsdp", "zero3"]),
+        ("zero3_ac", ["--fsdp", "zero3", "--activation_checkpointing", "full"]))]
+
+
+def vit2b(args) -> list[tuple]:
+    """``vit_2b`` with ZeRO-3 + full activation checkpointing: local batch sizes x fsdp_prefetch 0/1/2."""
+    n = args.gpus_max
+    out = []
+    for prefetch in (0, 1, 2):
+        for bs in map(int, args.batches.split(",")):
+            out.append((f"vit2b_pf{prefetch}_bs{bs}", n,
+                        ["--config", "vit_2b", "--fsdp", "zero3", "--fsdp_prefetch", str(prefetch),
+                         "--local_batch_size", str(bs), "--limit_nsamples", str(bs * n * args.steps)] + OPT + SYNTH))
+    return out
+
+
+def tp(args) -> list[tuple]:
+    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest), local batch 16 per dp group."""
+    n = args.gpus_max
+    data = ["--data_path", args.data_path, "--num_data_workers", "4"] if args.data_path else SYNTH
+    out = []
+    for tp_size, cp_size in ((1, 1), (2, 1), (4, 1), (1, 2)):
+        dp = n // (tp_size * cp_size)
+        out.append((f"mp_tp{tp_size}_cp{cp_size}", n,
+                    ["--config", "mp", "--tensor_parallel", str(tp_size), "--context_parallel", str(cp_size),
+                     "--local_batch_size", "16", "--limit_nsamples", str(16 * dp * args.steps),
+                     "--valid_every", "1"] + OPT + data))
+    return out
+
+
+SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp}
+COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("per GPU", "per_gpu", ".1f"),
+           ("efficiency", "efficiency", ".1%"), ("MFU", "mfu", ".1%"),
+           ("peak alloc GiB", "memory.peak_allocated", ".2f"), ("peak reserved GiB", "memory.peak_reserved", ".2f"),
+           ("retries", "memory.alloc_retries", "d"), ("train loss", "train_loss", ".4f"),
+           ("valid loss", "valid_loss", ".4f"), ("wall s", "wall_s", ".0f")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=SUITES, required=True)
+    ap.add_argument("--gpus", default="1,2,4", help="scaling: GPU counts")
+    ap.add_argument("--gpus_max", type=int, default=4, help="GPUs for the other suites")
+    ap.add_argument("--batches", default="1,2,4", help="vit2b: local batch sizes")
+    ap.add_argument("--steps", type=int, default=16, help="steps per epoch")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--data_path", default="")
+    ap.add_argument("--entry", default="train.py")
+    ap.add_argument("--only", default="", help="comma list of variant names to run (default: all)")
+    ap.add_argument("--extra", default="")
+    ap.add_argument("--expdir", default="/tmp/multi_gpu_runs")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = []
+    for name, n, run_args in SUITES[args.suite](args):
+        if args.only and name not in args.only.split(","):
+            continue
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+        iters = args.epochs * (args.steps if args.suite != "scaling" else 32)
+        row = run_variant(name, run_args + ["--num_iters", str(iters), "--valid_every", str(args.epochs),
+                                            "--log_every", "1000"] + args.extra.split(),
+                          Path(args.expdir), launcher=launcher, entry=args.entry)
+        row["gpus"] = n
+        if "samples_per_s" in row:
+            row["per_gpu"] = row["samples_per_s"] / n
+        rows.append(row)
+    if args.suite == "scaling":
+        base = next((r.get("per_gpu") for r in rows if r.get("gpus") == 1), None)
+        for r in rows:
+            if base and "per_gpu" in r:
+                r["efficiency"] = r["per_gpu"] / base
+    import torch
+    print(table(rows, COLUMNS))
+    save_json(Path(args.out), {"suite": args.suite, "date": datetime.datetime.now().isoformat(),
+                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                               "torch": torch.__version__, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
