@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from utils.errors import UserError
+from utils.errors import exit_status
 
 DEFAULT_YAML = "config/ViT.yaml"
 
@@ -39,10 +39,7 @@ def main(argv: list[str] | None = None, default_config: str = "tiny") -> int:
 def cli(default_config: str = "tiny") -> int:
     """Run :func:`main`, turning expected errors into a one-line message and exit status 2."""
     try:
-        return main(default_config=default_config)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return exit_status(main, default_config=default_config)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

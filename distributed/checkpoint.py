@@ -23,15 +23,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 
-def _is_tp(model: nn.Module) -> bool:
-    from distributed.parallelize import unwrap
-    return getattr(unwrap(model), "_tensor_context_parallel", False)
-
-
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU state dict with the plain model's keys; collective: call on every rank."""
-    if _is_tp(model):
-        from distributed.parallelize import unwrap
+    from distributed.parallelize import _is_tensor_context_parallel, unwrap
+    if _is_tensor_context_parallel(model):
         from distributed.tensor_parallel import full_state_dict
         return full_state_dict(unwrap(model))
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -267,14 +267,8 @@ class _GatherFromParallelRegion(torch.autograd.Function):
         return split_along_dim(dy, ctx.dim, ctx.group, ctx.shapes), None, None, None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+class _GatherFromSequenceParallelRegion(_GatherFromParallelRegion):
     """Forward: all-gather along ``dim``; backward: reduce-scatter (sum) of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, shapes, group):
-        shapes = [x.shape[dim]] * group_size(group) if shapes is None else _check_shapes(shapes, group)
-        ctx.dim, ctx.shapes, ctx.group = dim, shapes, group
-        return all_gather_uneven(x, dim, shapes, group)
 
     @staticmethod
     def backward(ctx, dy):

@@ -138,10 +138,26 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
 
 
+def _is_tensor_context_parallel(model: nn.Module) -> bool:
+    return getattr(unwrap(model), "_tensor_context_parallel", False)
+
+
 def reduce_replicated_gradients(model: nn.Module) -> None:
-    """Sum gradients of parameters replicated over tensor/context-parallel peers (call before the
-    optimizer step); nothing to do without tensor/context parallelism."""
-    inner = unwrap(model)
-    if getattr(inner, "_tensor_context_parallel", False):
-        from distributed.tensor_parallel import reduce_replicated_gradients as reduce_tp
-        reduce_tp(inner)
+    """Sum gradients of parameters replicated over context-parallel peers (call after the last
+    backward of a step, before clipping); nothing to do without tensor/context parallelism."""
+    if _is_tensor_context_parallel(model):
+        from distributed.layers import reduce_replicated_gradients as reduce_tp
+        reduce_tp(unwrap(model))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm of the full (unsharded) model, whatever the parallelism.
+
+    Tensor-parallel shards are plain tensors, so their norm is reduced over the tp group
+    (``distributed.tensor_parallel.clip_grad_norm_``); FSDP's DTensor gradients are handled by
+    ``torch.nn.utils.clip_grad_norm_``.
+    """
+    if _is_tensor_context_parallel(model):
+        from distributed.tensor_parallel import clip_grad_norm_
+        return clip_grad_norm_(unwrap(model), max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

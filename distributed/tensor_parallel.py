@@ -43,6 +43,7 @@ from distributed.layers import (
     DistributedPatchEmbed,
     ParallelGroups,
     ShardLayout,
+    _ParallelModule,
     _find_groups,
     _local,
     _tp_sharded_params,
@@ -64,7 +65,7 @@ __all__ = [
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-class TensorContextParallelViT(VisionTransformer):
+class TensorContextParallelViT(_ParallelModule, VisionTransformer):
     """A :class:`VisionTransformer` after :func:`apply_tensor_context_parallel` (never built directly).
 
     ``forward``: ``(B, C_in, H, W)`` full image on every rank -> ``(B, C_out, H, W)`` full
@@ -76,14 +77,6 @@ class TensorContextParallelViT(VisionTransformer):
     parallel_groups: ParallelGroups
     # marker read by distributed.parallelize (which avoids importing this module eagerly)
     _tensor_context_parallel = True
-
-    @property
-    def tp_group(self) -> dist.ProcessGroup | None:
-        return self.parallel_groups.tp_group
-
-    @property
-    def cp_group(self) -> dist.ProcessGroup | None:
-        return self.parallel_groups.cp_group
 
     def forward_local_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> normalized tokens of this CP rank ``(B, n_r, D)``."""

@@ -196,3 +196,12 @@ def test_bf16_autocast_cpu_close_to_fp32():
     rel = (out - ref).norm() / ref.norm()
     assert rel < 0.05, rel
     assert not torch.equal(out, ref)  # autocast really changed the precision
+
+
+def test_patch_embed_equals_strided_convolution():
+    from networks.vit import PatchEmbed
+    torch.manual_seed(0)
+    pe = PatchEmbed((12, 20), 4, 3, 16).double()
+    x = torch.randn(2, 3, 12, 20, dtype=torch.float64)
+    ref = torch.nn.functional.conv2d(x, pe.proj.weight, pe.proj.bias, stride=4).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(pe(x), ref, atol=1e-12, rtol=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from networks.vit import VisionTransformer, build_model
+from networks.vit import build_model
 from tests.dist_utils import run_distributed
 from tests.train_utils import assert_state_close, tiny_params, train_checkpoint, train_on_ranks
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from distributed.env import init_distributed, shutdown
+from distributed.env import init_distributed
 from utils.config import load_params
 from utils.trainer import Trainer
 

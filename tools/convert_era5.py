@@ -26,7 +26,7 @@ import numpy as np
 
 from tools import era5_layout as layout
 from tools.era5_layout import InputNotFoundError, LayoutError
-from utils.errors import UserError
+from utils.errors import exit_status
 
 LEVEL_DIMS = ("isobaricInhPa", "level", "pressure_level")
 LAT_NAMES = ("latitude", "lat")
@@ -518,15 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 with ``error: ...`` on stderr for bad input)."""
     args = build_parser().parse_args(argv)
-    try:
-        convert(args.input, args.out, args.variables, args.levels, valid_start=args.valid_start,
-                valid_fraction=0.5 if args.valid_fraction is None else args.valid_fraction,
-                members=args.members, trim_to_multiple=args.trim_to_multiple,
-                select=parse_select(args.select), overwrite=args.overwrite)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: convert(
+        args.input, args.out, args.variables, args.levels, valid_start=args.valid_start,
+        valid_fraction=0.5 if args.valid_fraction is None else args.valid_fraction,
+        members=args.members, trim_to_multiple=args.trim_to_multiple,
+        select=parse_select(args.select), overwrite=args.overwrite))
 
 
 if __name__ == "__main__":

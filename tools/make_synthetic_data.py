@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tools import era5_layout as layout
-from utils.errors import UserError
+from utils.errors import exit_status
 
 # the 20 channels of the NERSC ViT/ERA5 tutorial, in its order
 BASE_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
@@ -335,14 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 with ``error: ...`` on stderr for bad input)."""
     args = build_parser().parse_args(argv)
-    try:
-        make_synthetic_dataset(args.out, args.channels, tuple(args.img_size), args.train_years,
-                               args.valid_years, args.steps_per_year, args.dt_hours, args.seed,
-                               overwrite=args.overwrite, verbose=True, workers=args.workers)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: make_synthetic_dataset(
+        args.out, args.channels, tuple(args.img_size), args.train_years, args.valid_years,
+        args.steps_per_year, args.dt_hours, args.seed, overwrite=args.overwrite, verbose=True,
+        workers=args.workers))
 
 
 if __name__ == "__main__":

@@ -7,3 +7,15 @@ class UserError(Exception):
 
 class NonFiniteError(UserError):
     """NaN or Inf found in a batch or in the loss."""
+
+
+def exit_status(main, *args, **kwargs) -> int:
+    """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0, or 2 with
+    ``error: <message>`` on stderr (no traceback) for a :class:`UserError`."""
+    import sys
+    try:
+        main(*args, **kwargs)
+        return 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2

@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from distributed.checkpoint import save_full_model
 from distributed.env import World
-from distributed.parallelize import AMP_DTYPES, gradient_sync, parallelize_model, reduce_replicated_gradients
+from distributed.parallelize import (AMP_DTYPES, clip_grad_norm, gradient_sync, parallelize_model,
+                                     reduce_replicated_gradients)
 from networks.vit import build_model
 from utils.data_loader import Data, build_data
 from utils.errors import NonFiniteError, UserError
@@ -229,7 +230,7 @@ class Trainer:
         reduce_replicated_gradients(self.model)
         if self.params.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm)
+            clip_grad_norm(self.model, self.params.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
