@@ -18,6 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -87,6 +88,27 @@ def apply_fsdp(model: nn.Module, params, world: World) -> None:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
+
+
+def build_parallel_model(params, world: World, build) -> nn.Module:
+    """Build the model with ``build(params)`` and parallelize it on ``world.device``.
+
+    Every rank starts from the weights that ``build`` makes on the CPU with the current seed, the
+    same as a single-GPU run. With FSDP (and no tensor/context parallelism) the model is built on
+    the meta device and sharded first; only rank 0 builds the full weights, on the host, and
+    ``set_model_state_dict(broadcast_from_rank0=True)`` sends each rank just its shards, so the
+    full model never sits on one GPU.
+    """
+    fsdp_only = params.fsdp != "none" and world.dp > 1 and world.tp == world.cp == 1
+    if not fsdp_only:
+        return parallelize_model(build(params).to(world.device), params, world)
+    full = build(params).state_dict() if world.is_main else {}
+    with torch.device("meta"):
+        model = build(params)
+    model = parallelize_model(model, params, world)
+    model.to_empty(device=world.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
 
 
 def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:

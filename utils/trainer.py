@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from distributed.checkpoint import save_full_model
 from distributed.env import World
-from distributed.parallelize import (AMP_DTYPES, clip_grad_norm, gradient_sync, parallelize_model,
+from distributed.parallelize import (AMP_DTYPES, build_parallel_model, clip_grad_norm, gradient_sync,
                                      reduce_replicated_gradients)
 from networks.vit import build_model
 from utils.data_loader import Data, build_data
@@ -122,11 +122,11 @@ class Trainer:
         p = self.params
         torch.manual_seed(p.seed)  # identical initial weights on every rank
         set_attention_backend(p.attention_backend)
-        model = build_model(p).to(self.device)
-        n_params = sum(t.numel() for t in model.parameters())
+        with torch.device("meta"):  # counted without allocating
+            n_params = sum(t.numel() for t in build_model(p).parameters())
         log.info("model: ViT embed %d depth %d heads %d patch %d, %.2fM parameters", p.embed_dim, p.depth,
                  p.num_heads, p.patch_size, n_params / 1e6)
-        self.model = parallelize_model(model, p, self.world)
+        self.model = build_parallel_model(p, self.world, build_model)
         fused = p.enable_fused and self.device.type in ("cuda", "cpu")
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=p.lr, betas=tuple(p.betas),
                                           weight_decay=p.weight_decay, fused=fused or None)
