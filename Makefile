@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 data: $(TINY)
 $(TINY): | $(STAMP)
-	$(BIN)/python -m tools.make_synthetic_data --out data/tiny --overwrite
+	$(BIN)/python -m tools.make_synthetic_data --out data/tiny --train_years 4 --steps_per_year 128 --overwrite
 
 train: setup data
 	$(BIN)/python train.py --yaml_config config/ViT.yaml --config tiny --run_num 00

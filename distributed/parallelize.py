@@ -130,7 +130,8 @@ def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
         model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
                     process_group=world.group("dp"), bucket_cap_mb=params.bucket_cap_mb,
                     gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
-                    static_graph=params.ddp_static_graph)
+                    # static_graph trips an internal assert under no_sync (gradient accumulation)
+                    static_graph=params.ddp_static_graph and params.grad_accum_steps == 1)
     return model
 
 

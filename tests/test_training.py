@@ -52,10 +52,11 @@ def test_bf16_and_fused_and_clipping_run(tiny_data, tmp_path):
     assert all(torch.isfinite(v).all() for v in sd.values())
 
 
-def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, accum):
     overrides = {"num_iters": 5, "global_batch_size": 8}
     single = train_checkpoint(tiny_params(tiny_data, tmp_path / "single", **overrides))
-    run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "ddp"), overrides)
+    run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "ddp"), {**overrides, "grad_accum_steps": accum})
     ddp = torch.load(tmp_path / "ddp" / "tiny" / "2GPU" / "00" / "checkpoints" / "model.pt")["model"]
     assert_state_close(single, ddp, atol=1e-5)
 

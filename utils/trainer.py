@@ -38,10 +38,6 @@ from utils.profiling import ProfilerWindow, nvtx_range
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
-                      "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-
-
 def batch_sizes(params, dp: int) -> tuple[int, int]:
     """(local micro-batch per data-parallel rank, global batch per optimizer step).
 
@@ -74,14 +70,24 @@ def lr_lambda(params):
     return factor
 
 
-def set_attention_backend(name: str) -> None:
-    """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it)."""
-    if name == "auto":
+def set_attention_backend(name: str, device: torch.device, head_dim: int) -> None:
+    """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it).
+
+    Only CUDA backends are selectable; on CPU PyTorch keeps its own choice. Raises UserError
+    when the backend cannot run this head size on this device.
+    """
+    if name == "auto" or device.type != "cuda":
         return
     flags = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
              "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
     for key, enable in flags.items():
         enable(key == name)
+    q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError:
+        raise UserError(f"--attention_backend {name} cannot run head dim {head_dim} on "
+                        f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
 
 
 def _all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -121,7 +127,7 @@ class Trainer:
     def _build_model(self) -> None:
         p = self.params
         torch.manual_seed(p.seed)  # identical initial weights on every rank
-        set_attention_backend(p.attention_backend)
+        set_attention_backend(p.attention_backend, self.device, p.embed_dim // p.num_heads)
         with torch.device("meta"):  # counted without allocating
             n_params = sum(t.numel() for t in build_model(p).parameters())
         log.info("model: ViT embed %d depth %d heads %d patch %d, %.2fM parameters", p.embed_dim, p.depth,
