@@ -230,6 +230,27 @@ class NumberedBatches(Sampler):
             yield b, indices[b * self.batch_size:(b + 1) * self.batch_size]
 
 
+class DeviceRing:
+    """Three reusable device buffers per batch shape plus the one side stream that fills them.
+
+    Shared by the train and validation loaders (never iterated at the same time): one stream
+    orders every copy, so a batch prefetched by an abandoned iterator (a partial epoch) is
+    written before the next loader's first copy into the same buffer. Fixed buffers also keep
+    the side stream from growing the caching allocator's reserved pool.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def buffers(self, batch_shape: tuple) -> torch.Tensor:
+        """``(3, *batch_shape)`` float32 device buffers (made on first use)."""
+        if batch_shape not in self._buffers:
+            self._buffers[batch_shape] = torch.empty((3, *batch_shape), dtype=torch.float32, device=self.device)
+        return self._buffers[batch_shape]
+
+
 class DeviceBatches:
     """Normalized ``(inp, tar, index)`` batches on ``device`` from an :class:`ERA5Dataset`.
 
@@ -246,7 +267,7 @@ class DeviceBatches:
     """
 
     def __init__(self, dataset: ERA5Dataset, sampler: DistributedSampler, batch_size: int, drop_last: bool,
-                 num_workers: int, *, device: torch.device, stats: Stats, ring_cache: dict | None = None):
+                 num_workers: int, *, device: torch.device, stats: Stats, ring: DeviceRing | None = None):
         self.batches = NumberedBatches(sampler, batch_size, drop_last)
         self.sampler, self.device, self.stats = sampler, device, stats
         self.cuda = device.type == "cuda"
@@ -257,7 +278,7 @@ class DeviceBatches:
         self.loader = (DataLoader(self.filler, batch_size=None, sampler=self.batches, num_workers=num_workers,
                                   persistent_workers=True, prefetch_factor=2) if num_workers else None)
         self.copied: list = [None] * self.slots.k  # per slot: CUDA event of its last host-to-device copy
-        self.ring_cache = {} if ring_cache is None else ring_cache  # shared by train and valid
+        self.ring = ring if ring is not None or not self.cuda else DeviceRing(device)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -272,6 +293,8 @@ class DeviceBatches:
 
     def _source(self):
         if self.loader is not None:
+            for event in filter(None, self.copied):  # a previous, abandoned epoch may still be copying
+                event.synchronize()
             it = iter(self.loader)
             for j in range(len(self.batches)):
                 self._wait_slot(j - 2)  # receiving batch j releases batch j + P to a worker
@@ -300,13 +323,11 @@ class DeviceBatches:
         if not self.cuda:
             yield from (self._to_device(*item) for item in self._source())
             return
-        # Three device buffers, reused: batch j + 1 is copied while step j runs, into the buffer
-        # of batch j - 2, which the compute stream has finished with once it gets past step j - 1.
-        # Fixed buffers keep the side stream from growing the caching allocator's reserved pool.
-        ring = self.device_ring()
-        stream = torch.cuda.Stream(self.device)
+        # Batch j + 1 is copied while step j runs, into the buffer of batch j - 2, which the
+        # compute stream has finished with once it gets past step j - 1.
+        ring = self.ring.buffers(tuple(self.slots.buf.shape[1:]))
+        stream = self.ring.stream
         compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
         source = self._source()
 
         def prefetch(j: int):
@@ -330,14 +351,6 @@ class DeviceBatches:
             j += 1
             pending = prefetch(j)
             yield batch
-
-    def device_ring(self) -> torch.Tensor:
-        """The three ``(2, B, C, H, W)`` device buffers batches are copied into (made on first use,
-        shared through ``ring_cache`` by loaders that never run at the same time)."""
-        shape = (3, *self.slots.buf.shape[1:])
-        if shape not in self.ring_cache:
-            self.ring_cache[shape] = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return self.ring_cache[shape]
 
 
 class SyntheticBatches:
@@ -452,10 +465,9 @@ def build_data(params, batch_size: int, dp_rank: int, dp_size: int, device: torc
         train, valid = (dali_batches(ds, params, batch_size, is_train, dp_rank, dp_size, device, stats)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     else:
-        rings: dict = {}
+        ring = DeviceRing(device) if device.type == "cuda" else None
         train, valid = (DeviceBatches(ds, make_sampler(ds, params, is_train, dp_rank, dp_size), batch_size,
-                                      is_train, params.num_data_workers, device=device, stats=stats,
-                                      ring_cache=rings)
+                                      is_train, params.num_data_workers, device=device, stats=stats, ring=ring)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
     return Data(train, valid, stats, names, lat, n_train, train_ds)

@@ -1,0 +1,32 @@
+"""GPU-only checks (skipped without CUDA): the prefetching loader's device path equals the CPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from utils.config import load_params
+from utils.data_loader import build_data
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prefetcher_yields_the_cpu_batches_in_order_across_partial_epochs(tiny_data, workers):
+    params = load_params("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "num_data_workers": str(workers)})
+    cpu = build_data(params, 8, 0, 1, torch.device("cpu"))
+    gpu = build_data(params, 8, 0, 1, torch.device("cuda"))
+    for epoch, n_train in ((0, 3), (1, None)):  # epoch 0 abandoned after 3 batches, then validation
+        for data in (cpu, gpu):
+            data.train.set_epoch(epoch)
+        pairs = zip(cpu.train, gpu.train)
+        for i, ((ci, ct, cidx), (gi, gt, gidx)) in enumerate(pairs):
+            if n_train is not None and i == n_train:
+                break
+            torch.testing.assert_close(gi.cpu(), ci, atol=1e-6, rtol=0)
+            torch.testing.assert_close(gt.cpu(), ct, atol=1e-6, rtol=0)
+            assert torch.equal(gidx, cidx)
+        for (ci, ct, _), (gi, gt, _) in zip(cpu.valid, gpu.valid):
+            torch.cuda.synchronize()
+            torch.testing.assert_close(gi.cpu(), ci, atol=1e-6, rtol=0)
+            torch.testing.assert_close(gt.cpu(), ct, atol=1e-6, rtol=0)
