@@ -1,0 +1,55 @@
+"""Memory report (max over ranks, retry warning) and the Nsight profiler window."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tests.dist_utils import run_distributed
+from utils.memory import MemoryTracker, format_memory
+from utils.profiling import ProfilerWindow
+
+
+def test_memory_line_warns_with_remedies_when_allocator_retried():
+    stats = {"peak_allocated": 60.0, "peak_reserved": 75.5, "peak_active": 61.0, "alloc_retries": 3, "ooms": 0,
+             "peak_allocated_rank": 1, "peak_reserved_rank": 2, "peak_active_rank": 1, "alloc_retries_rank": 2,
+             "ooms_rank": 0}
+    line = format_memory(stats)
+    assert "reserved 75.50 GiB (rank 2)" in line and "cudaMalloc retries 3 (rank 2)" in line
+    assert "WARNING" in line and "--local_batch_size" in line and "expandable_segments" in line
+    assert "WARNING" not in format_memory({**stats, "alloc_retries": 0})
+
+
+def _memory_max_over_ranks(rank: int, world_size: int) -> None:
+    tracker = MemoryTracker(torch.device("cpu"))
+    tracker.local_stats = lambda: {"peak_rss": 1.0 + rank}  # rank 1 has the larger peak
+    report = tracker.end_epoch()
+    assert report == {"peak_rss": 2.0, "peak_rss_rank": 1}
+
+
+def test_memory_report_is_the_maximum_over_ranks_with_its_rank():
+    run_distributed(_memory_max_over_ranks, 2)
+
+
+def test_profiler_window_starts_and_stops_at_the_configured_steps(monkeypatch, caplog):
+    monkeypatch.setenv("ENABLE_PROFILING", "1")
+    window = ProfilerWindow(epoch=1, start_step=2, steps=3, rank=0)
+    with caplog.at_level(logging.INFO, logger="utils.profiling"):
+        for epoch in range(3):
+            for step in range(8):
+                window.step(epoch, step)
+            window.close(epoch, 8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("rank 0: CUDA profiler start at epoch 1 step 2")
+    assert lines[1].startswith("rank 0: CUDA profiler stop at epoch 1 step 5")
+
+
+def test_profiler_window_is_off_without_the_environment_and_on_other_ranks(monkeypatch):
+    monkeypatch.delenv("ENABLE_PROFILING", raising=False)
+    assert not ProfilerWindow(1, 2, 3, rank=0).enabled
+    monkeypatch.setenv("ENABLE_PROFILING", "1")
+    assert not ProfilerWindow(1, 2, 3, rank=1).enabled
+    monkeypatch.setenv("PROFILE_ALL_RANKS", "1")
+    assert ProfilerWindow(1, 2, 3, rank=1).enabled
