@@ -30,12 +30,15 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
               "profiler_log": [line for line in proc.stdout.splitlines() if "CUDA profiler" in line]}
     metrics = sorted(expdir.glob(f"*/*/{run_num}/metrics.jsonl"))
     if proc.returncode != 0 or not metrics:
-        result["error"] = (proc.stderr or proc.stdout)[-3000:]
+        result["error"] = proc.stdout[-1500:] + proc.stderr[-1500:]
         print(f"[{name}] FAILED ({proc.returncode}):\n{result['error']}", flush=True)
         return result
-    last = json.loads(metrics[-1].read_text().strip().splitlines()[-1])
-    result.update(last)
-    print(f"[{name}] {last['samples_per_s']:.1f} samples/s", flush=True)
+    epochs = [json.loads(line) for line in metrics[-1].read_text().strip().splitlines()]
+    result.update(epochs[-1])
+    # the loss curve over epochs, to compare runs (e.g. tensor parallel against tp=1)
+    result["curve"] = [{k: e.get(k) for k in ("iteration", "train_loss", "valid_loss", "samples_per_s")}
+                       for e in epochs]
+    print(f"[{name}] {result['samples_per_s']:.1f} samples/s", flush=True)
     return result
 
 

@@ -28,51 +28,102 @@ def scaling(args) -> list[tuple]:
     """Weak scaling: local batch 16 per GPU, 32 steps per epoch whatever the GPU count."""
     out = []
     for n in map(int, args.gpus.split(",")):
-        out.append((f"ddp_{n}gpu", n, ["--config", "short", "--local_batch_size", "16",
+        out.append((f"ddp_{n}gpu", n, ["--config", args.config or "short", "--local_batch_size", "16",
                                        "--limit_nsamples", str(512 * n)] + OPT + SYNTH))
     return out
 
 
 def fsdp(args) -> list[tuple]:
-    """``mp`` (embed 1024) at local batch 16 on all GPUs: DDP vs ZeRO-2 / ZeRO-3 / ZeRO-3 + AC."""
+    """``mp`` (embed 1024) at local batch 16 on all GPUs: DDP vs ZeRO-2 / ZeRO-3 / ZeRO-3 + AC.
+
+    ``zero3_ac`` checkpoints every block, ``zero3_sel2`` every second block (half the recompute).
+    """
     n = args.gpus_max
-    base = ["--config", "mp", "--local_batch_size", "16", "--limit_nsamples", str(16 * n * args.steps)] + OPT + SYNTH
+    base = ["--config", args.config or "mp", "--local_batch_size", "16",
+            "--limit_nsamples", str(16 * n * args.steps)] + OPT + SYNTH
     return [(f"mp_{name}", n, base + extra) for name, extra in (
         ("ddp", []), ("zero2", ["--fsdp", "zero2"]), ("zero3", ["--fsdp", "zero3"]),
-        ("zero3_ac", ["--fsdp", "zero3", "--activation_checkpointing", "full"]))]
+        ("zero3_ac", ["--fsdp", "zero3", "--activation_checkpointing", "full"]),
+        ("zero3_sel2", ["--fsdp", "zero3", "--activation_checkpointing", "selective", "--ac_every", "2"]))]
 
 
-def vit2b(args) -> list[tuple]:
-    """``vit_2b`` with ZeRO-3 + full activation checkpointing: local batch sizes x fsdp_prefetch 0/1/2."""
+def vit2b_args(args, prefetch: int, bs: int) -> tuple:
     n = args.gpus_max
-    out = []
-    for prefetch in (0, 1, 2):
-        for bs in map(int, args.batches.split(",")):
-            out.append((f"vit2b_pf{prefetch}_bs{bs}", n,
-                        ["--config", "vit_2b", "--fsdp", "zero3", "--fsdp_prefetch", str(prefetch),
-                         "--local_batch_size", str(bs), "--limit_nsamples", str(bs * n * args.steps)] + OPT + SYNTH))
-    return out
+    return (f"vit2b_pf{prefetch}_bs{bs}", n,
+            ["--config", args.config or "vit_2b", "--fsdp", "zero3", "--fsdp_prefetch", str(prefetch),
+             "--local_batch_size", str(bs), "--limit_nsamples", str(bs * n * args.steps)] + OPT + SYNTH)
 
 
 def tp(args) -> list[tuple]:
-    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest), local batch 16 per dp group."""
+    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest), local batch 16 per dp group.
+
+    With ``--data_path`` the native loader reads real (or generated) data, so the loss curves of the
+    variants can be compared; without it, synthetic batches.
+    """
     n = args.gpus_max
-    data = ["--data_path", args.data_path, "--num_data_workers", "4"] if args.data_path else SYNTH
+    data = (["--data_path", args.data_path, "--data_loader_config", "pytorch", "--num_data_workers", "4"]
+            if args.data_path else SYNTH)
     out = []
     for tp_size, cp_size in ((1, 1), (2, 1), (4, 1), (1, 2)):
         dp = n // (tp_size * cp_size)
         out.append((f"mp_tp{tp_size}_cp{cp_size}", n,
-                    ["--config", "mp", "--tensor_parallel", str(tp_size), "--context_parallel", str(cp_size),
-                     "--local_batch_size", "16", "--limit_nsamples", str(16 * dp * args.steps),
-                     "--valid_every", "1"] + OPT + data))
+                    ["--config", args.config or "mp", "--tensor_parallel", str(tp_size),
+                     "--context_parallel", str(cp_size), "--local_batch_size", "16",
+                     "--limit_nsamples", str(16 * dp * args.steps)] + OPT + data))
     return out
+
+
+def run(args, name: str, n: int, run_args: list[str], valid_every: int) -> dict:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    iters = args.epochs * (args.steps if args.suite != "scaling" else 32)
+    row = run_variant(name, run_args + ["--num_iters", str(iters), "--valid_every", str(valid_every),
+                                        "--log_every", "1000"] + args.extra.split(),
+                      Path(args.expdir), launcher=launcher, entry=args.entry)
+    row["gpus"] = n
+    if "samples_per_s" in row:
+        row["per_gpu"] = row["samples_per_s"] / n
+    return row
+
+
+def fits(row: dict) -> bool:
+    """The run finished without cudaMalloc retries (nor OOM)."""
+    return row.get("returncode") == 0 and row.get("memory", {}).get("alloc_retries", 0) == 0
+
+
+def vit2b(args) -> list[dict]:
+    """``vit_2b`` with ZeRO-3 + full activation checkpointing: the largest local batch without cudaMalloc
+    retries for ``--fsdp_prefetch`` 1 (ascending through ``--batches``, stopping at the first batch that
+    retries or runs out of memory), then prefetch 0 and 2 at that batch (stepping down if they retry)."""
+    batches = sorted(map(int, args.batches.split(",")))
+    rows, best = [], None
+    for bs in batches:
+        rows.append(run(args, *vit2b_args(args, 1, bs), valid_every=args.epochs))
+        if not fits(rows[-1]):
+            break
+        best = bs
+    for prefetch in (0, 2):
+        for bs in [b for b in batches if best and b <= best][::-1]:
+            rows.append(run(args, *vit2b_args(args, prefetch, bs), valid_every=args.epochs))
+            if fits(rows[-1]):
+                break
+    return rows
+
+
+def compare(rows: list[dict], base: dict) -> None:
+    """Add each row's peak-reserved reduction (base / row) and speed relative to ``base`` (DDP, tp=1)."""
+    for r in rows:
+        if "samples_per_s" in r and "samples_per_s" in base:
+            r["speed_vs_base"] = r["samples_per_s"] / base["samples_per_s"]
+        if "peak_reserved" in r.get("memory", {}) and "peak_reserved" in base.get("memory", {}):
+            r["reserved_cut"] = base["memory"]["peak_reserved"] / r["memory"]["peak_reserved"]
 
 
 SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp}
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("per GPU", "per_gpu", ".1f"),
            ("efficiency", "efficiency", ".1%"), ("MFU", "mfu", ".1%"),
            ("peak alloc GiB", "memory.peak_allocated", ".2f"), ("peak reserved GiB", "memory.peak_reserved", ".2f"),
-           ("retries", "memory.alloc_retries", "d"), ("train loss", "train_loss", ".4f"),
+           ("retries", "memory.alloc_retries", "d"), ("reserved cut", "reserved_cut", ".2f"),
+           ("speed vs first", "speed_vs_base", ".0%"), ("train loss", "train_loss", ".4f"),
            ("valid loss", "valid_loss", ".4f"), ("wall s", "wall_s", ".0f")]
 
 
@@ -81,7 +132,8 @@ def main() -> int:
     ap.add_argument("--suite", choices=SUITES, required=True)
     ap.add_argument("--gpus", default="1,2,4", help="scaling: GPU counts")
     ap.add_argument("--gpus_max", type=int, default=4, help="GPUs for the other suites")
-    ap.add_argument("--batches", default="1,2,4", help="vit2b: local batch sizes")
+    ap.add_argument("--batches", default="8,16,24,32,48,64", help="vit2b: candidate local batch sizes")
+    ap.add_argument("--config", default="", help="config name (default: short / mp / vit_2b by suite)")
     ap.add_argument("--steps", type=int, default=16, help="steps per epoch")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--data_path", default="")
@@ -91,24 +143,20 @@ def main() -> int:
     ap.add_argument("--expdir", default="/tmp/multi_gpu_runs")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows = []
-    for name, n, run_args in SUITES[args.suite](args):
-        if args.only and name not in args.only.split(","):
-            continue
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-        iters = args.epochs * (args.steps if args.suite != "scaling" else 32)
-        row = run_variant(name, run_args + ["--num_iters", str(iters), "--valid_every", str(args.epochs),
-                                            "--log_every", "1000"] + args.extra.split(),
-                          Path(args.expdir), launcher=launcher, entry=args.entry)
-        row["gpus"] = n
-        if "samples_per_s" in row:
-            row["per_gpu"] = row["samples_per_s"] / n
-        rows.append(row)
+    if args.suite == "vit2b":
+        rows = vit2b(args)
+    else:
+        # tp: validate every epoch for loss curves; others only at the end
+        valid_every = 1 if args.suite == "tp" else args.epochs
+        rows = [run(args, name, n, run_args, valid_every) for name, n, run_args in SUITES[args.suite](args)
+                if not args.only or name in args.only.split(",")]
     if args.suite == "scaling":
         base = next((r.get("per_gpu") for r in rows if r.get("gpus") == 1), None)
         for r in rows:
             if base and "per_gpu" in r:
                 r["efficiency"] = r["per_gpu"] / base
+    if args.suite in ("fsdp", "tp"):
+        compare(rows, rows[0])
     import torch
     print(table(rows, COLUMNS))
     save_json(Path(args.out), {"suite": args.suite, "date": datetime.datetime.now().isoformat(),

@@ -1,4 +1,4 @@
-"""GPU-only checks (skipped without CUDA): the prefetching loader's device path equals the CPU path."""
+"""GPU-only checks (skipped without CUDA): the prefetching loader and the DALI GPU pipeline equal the CPU path."""
 
 from __future__ import annotations
 
@@ -30,3 +30,27 @@ def test_prefetcher_yields_the_cpu_batches_in_order_across_partial_epochs(tiny_d
             torch.cuda.synchronize()
             torch.testing.assert_close(gi.cpu(), ci, atol=1e-6, rtol=0)
             torch.testing.assert_close(gt.cpu(), ct, atol=1e-6, rtol=0)
+
+
+def test_dali_gpu_pipeline_equals_native_cpu_batches(tiny_data):
+    """DALI with GPU normalization (device_id set) against the native loader on the CPU, two epochs."""
+    pytest.importorskip("nvidia.dali")
+    overrides = {"data_path": str(tiny_data), "data_loader_config": "dali", "num_data_workers": "2"}
+    params = load_params("config/ViT.yaml", "tiny", overrides)
+    dali = build_data(params, 8, 0, 1, torch.device("cuda"))
+    native = build_data(load_params("config/ViT.yaml", "tiny", {"data_path": str(tiny_data)}),
+                        8, 0, 1, torch.device("cpu"))
+    try:
+        for epoch in (0, 1):
+            dali.train.set_epoch(epoch)
+            native.train.set_epoch(epoch)
+            n = 0
+            for (gi, gt, gidx), (ni, nt, nidx) in zip(dali.train, native.train):  # buffers are reused: compare now
+                assert gi.is_cuda and gt.is_cuda
+                assert torch.equal(torch.as_tensor(gidx).cpu(), torch.as_tensor(nidx))
+                torch.testing.assert_close(gi.cpu(), ni, atol=1e-5, rtol=0)
+                torch.testing.assert_close(gt.cpu(), nt, atol=1e-5, rtol=0)
+                n += 1
+            assert n == len(native.train) == len(dali.train) > 0
+    finally:
+        dali.train.close(), dali.valid.close()

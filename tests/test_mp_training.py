@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,9 +14,15 @@ from tests.train_utils import assert_state_close, tiny_params, train_checkpoint,
 STEPS = {"num_iters": 3, "global_batch_size": 8, "max_grad_norm": 0.5}
 
 
+def last_metrics(run_dir):
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def single(tiny_data, tmp_path_factory):
-    return train_checkpoint(tiny_params(tiny_data, tmp_path_factory.mktemp("single"), **STEPS))
+    expdir = tmp_path_factory.mktemp("single")
+    state = train_checkpoint(tiny_params(tiny_data, expdir, **STEPS))
+    return state, last_metrics(expdir / "tiny" / "1GPU" / "00")
 
 
 @pytest.mark.parametrize("world_size,overrides", [
@@ -25,8 +33,16 @@ def single(tiny_data, tmp_path_factory):
 ])
 def test_model_parallel_training_matches_single_process(tiny_data, tmp_path, single, world_size, overrides):
     run_distributed(train_on_ranks, world_size, str(tiny_data), str(tmp_path), {**STEPS, **overrides})
-    got = torch.load(tmp_path / "tiny" / f"{world_size}GPU" / "00" / "checkpoints" / "model.pt")["model"]
-    assert_state_close(single, got, atol=1e-5)
+    run_dir = tmp_path / "tiny" / f"{world_size}GPU" / "00"
+    state, metrics = single
+    assert_state_close(state, torch.load(run_dir / "checkpoints" / "model.pt")["model"], atol=1e-5)
+    # reported losses are averaged over data-parallel ranks only, never summed over tp/cp peers
+    got = last_metrics(run_dir)
+    assert got["train_loss"] == pytest.approx(metrics["train_loss"], rel=1e-5)
+    if world_size == overrides.get("tensor_parallel", 1) * overrides.get("context_parallel", 1):
+        # one data-parallel rank sees every validation sample (dp > 1 keeps equal shards: drops the remainder)
+        assert got["valid_samples"] == metrics["valid_samples"]
+        assert got["valid_loss"] == pytest.approx(metrics["valid_loss"], rel=1e-5)
 
 
 def test_world_size_not_divisible_by_tp_cp_is_a_clear_error():

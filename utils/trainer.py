@@ -90,9 +90,13 @@ def set_attention_backend(name: str, device: torch.device, head_dim: int) -> Non
                         f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
 
 
-def _all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=op, group=group)
+def _all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
+                op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce in place over mesh dimension ``dim`` (``dp``, ...) or over all ranks when None."""
+    size = world.world_size if dim is None else getattr(world, dim)
+    if dist.is_initialized() and size > 1:
+        # a size-1 dimension has no group: passing None would reduce over the whole world
+        dist.all_reduce(tensor, op=op, group=None if dim is None else world.group(dim))
     return tensor
 
 
@@ -200,7 +204,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        loss = _all_reduce(loss_sum, self.world.group("dp")).item() / max(1, n_steps * self.world.dp)
+        loss = _all_reduce(loss_sum, self.world, "dp").item() / max(1, n_steps * self.world.dp)
         samples = n_steps * self.global_bs
         report = {"epoch_time": elapsed, "samples_per_s": samples / elapsed, "train_loss": loss,
                   "data_wait_share": self.data_wait / elapsed,
@@ -245,7 +249,7 @@ class Trainer:
     def _check_finite(self, check: dict) -> None:
         """Stop with NonFiniteError if a step's data or loss was NaN/Inf on any rank."""
         flags = torch.stack([check["bad_data"].float(), (~torch.isfinite(check["loss"])).float()])
-        flags = _all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
+        flags = _all_reduce(flags, self.world, op=dist.ReduceOp.MAX).tolist()
         if not any(flags):
             return
         step = check["step"]
@@ -280,7 +284,7 @@ class Trainer:
             sums[-1] += b
             if first is None:
                 first = (pred[0].clone(), tar[0].clone())  # loader buffers are reused
-        _all_reduce(sums, self.world.group("dp"))
+        _all_reduce(sums, self.world, "dp")
         n = max(1.0, sums[-1].item())
         values = (sums / n).tolist()
         names = self.data.channel_names
