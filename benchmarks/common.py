@@ -36,8 +36,8 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     epochs = [json.loads(line) for line in metrics[-1].read_text().strip().splitlines()]
     result.update(epochs[-1])
     # the loss curve over epochs, to compare runs (e.g. tensor parallel against tp=1)
-    result["curve"] = [{k: e.get(k) for k in ("iteration", "train_loss", "valid_loss", "samples_per_s")}
-                       for e in epochs]
+    result["curve"] = [{**{k: e.get(k) for k in ("iteration", "train_loss", "valid_loss", "samples_per_s")},
+                        "alloc_retries": e.get("memory", {}).get("alloc_retries")} for e in epochs]
     print(f"[{name}] {result['samples_per_s']:.1f} samples/s", flush=True)
     return result
 

@@ -234,7 +234,8 @@ class Trainer:
             loss_total += loss.detach()
         with nvtx_range("optimizer"):
             self._optimizer_step()
-        return {"loss": loss_total, "bad_data": bad_data, "indices": indices, "step": self.step}
+        return {"loss": loss_total, "bad_data": bad_data, "indices": indices, "step": self.step,
+                **self._queue_finite_flags(loss_total, bad_data)}
 
     def _optimizer_step(self) -> None:
         reduce_replicated_gradients(self.model)
@@ -246,10 +247,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
+    def _queue_finite_flags(self, loss: torch.Tensor, bad_data: torch.Tensor) -> dict:
+        """Enqueue the step's (bad data, non-finite loss) flags, max over ranks, and their copy to the host.
+
+        Enqueued at the end of the step and read one step later (:meth:`_check_finite`), so the host
+        waits only for a step the GPU has already finished: a read right after enqueueing would
+        drain the queue every step and idle the GPU while the next step is launched.
+        """
+        flags = torch.stack([bad_data.float(), (~torch.isfinite(loss)).float()])
+        flags = _all_reduce(flags, self.world, op=dist.ReduceOp.MAX)
+        if self.device.type != "cuda":
+            return {"flags": flags, "flags_ready": None}
+        ready = torch.cuda.Event()
+        host = flags.to("cpu", non_blocking=True)  # lands in pinned memory
+        ready.record()
+        return {"flags": host, "flags_ready": ready}
+
     def _check_finite(self, check: dict) -> None:
         """Stop with NonFiniteError if a step's data or loss was NaN/Inf on any rank."""
-        flags = torch.stack([check["bad_data"].float(), (~torch.isfinite(check["loss"])).float()])
-        flags = _all_reduce(flags, self.world, op=dist.ReduceOp.MAX).tolist()
+        if check["flags_ready"] is not None:
+            check["flags_ready"].synchronize()
+        flags = check["flags"].tolist()
         if not any(flags):
             return
         step = check["step"]
