@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import platform
 import os
 import subprocess
 import sys
@@ -61,4 +63,23 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 def save_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
-    print(f"saved {path}")
+
+
+class Results(list):
+    """A benchmark's rows, rewritten to ``path`` as JSON after every row, so a run stopped at a time
+    limit keeps what it measured. ``meta`` (config, suite, ...) is saved beside the rows."""
+
+    def __init__(self, path: Path, **meta):
+        super().__init__()
+        import torch
+        self.path = path
+        self.meta = {**meta, "date": datetime.datetime.now().isoformat(), "host": platform.node(),
+                     "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                     "torch": torch.__version__}
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.save()
+
+    def save(self) -> None:
+        save_json(self.path, {**self.meta, "results": list(self)})

@@ -11,18 +11,17 @@ the chosen config and reports the second epoch. Prints a table and saves JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import run_variant, save_json, table  # noqa: E402
+from benchmarks.common import Results, run_variant, table  # noqa: E402
 
 OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
-# our fastest settings (config short_opt): OPT + cuDNN attention + the best compile mode measured
-FAST = OPT + ["--attention_backend", "cudnn", "--compile_mode", "max-autotune-no-cudagraphs"]
+# our fastest settings (config short_opt): OPT + cuDNN attention. On the H100 the default compile mode
+# equalled CUDA graphs (reduce-overhead) and max-autotune did not finish compiling in 8 minutes.
+FAST = OPT + ["--attention_backend", "cudnn"]
 SYNTH = ["--data_loader_config", "synthetic"]
 VARIANTS = {
     # the reference code's three setups (native loader)
@@ -39,13 +38,12 @@ VARIANTS = {
     "synthetic_bf16_fused": SYNTH + ["--amp_mode", "bf16", "--enable_fused", "true"],
     "synthetic_opt": SYNTH + OPT,
     "synthetic_opt_flash": SYNTH + OPT + ["--attention_backend", "flash"],
-    "synthetic_opt_cudnn": SYNTH + OPT + ["--attention_backend", "cudnn"],
     "synthetic_fast": SYNTH + FAST,
-    "synthetic_cudnn_cudagraphs": SYNTH + OPT + ["--attention_backend", "cudnn", "--compile_mode", "reduce-overhead"],
-    "synthetic_cudnn_max_autotune": SYNTH + OPT + ["--attention_backend", "cudnn", "--compile_mode", "max-autotune"],
+    "synthetic_fast_autotune": SYNTH + FAST + ["--compile_mode", "max-autotune-no-cudagraphs"],
+    "synthetic_fast_cudagraphs": SYNTH + FAST + ["--compile_mode", "reduce-overhead"],
 }
 DEFAULT = ("fp32_w0,fp32_w8,opt_w8,fast_w8,fast_dali_w8,synthetic_fp32,synthetic_bf16,synthetic_opt,"
-           "synthetic_opt_cudnn,synthetic_fast")
+           "synthetic_fast")
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("MFU", "mfu", ".1%"),
            ("data wait", "data_wait_share", ".0%"), ("peak alloc GiB", "memory.peak_allocated", ".2f"),
            ("peak reserved GiB", "memory.peak_reserved", ".2f"), ("retries", "memory.alloc_retries", "d"),
@@ -66,16 +64,13 @@ def main() -> int:
     from utils.config import load_params
     params = load_params("config/ViT.yaml", args.config)
     steps = (params.limit_nsamples or 512) // params.global_batch_size
-    rows = []
+    rows = Results(Path(args.out), config=args.config)
     for name in args.variants.split(","):
         common = ["--config", args.config, "--data_path", args.data_path, "--num_iters", str(args.epochs * steps),
                   "--valid_every", str(args.epochs), "--log_every", "1000"] + args.extra.split()
         rows.append(run_variant(name, common + VARIANTS[name], Path(args.expdir)))
-    import torch
     print(table(rows, COLUMNS))
-    save_json(Path(args.out), {"config": args.config, "date": datetime.datetime.now().isoformat(),
-                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                               "torch": torch.__version__, "host": platform.node(), "results": rows})
+    print(f"saved {args.out}")
     return 0
 
 

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from distributed.env import World
+from utils.errors import UserError
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,19 +45,28 @@ def _op_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, blocks: int = 0) -> None:
     """Wrap ``model.blocks`` for activation checkpointing (in place).
 
-    ``mode``: ``full`` recomputes every block in backward; ``selective`` with ``every=k > 0``
-    checkpoints every k-th block, with ``every=0`` keeps matmul/attention outputs of every
-    block and recomputes the rest (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+    ``mode``: ``full`` recomputes every block in backward. ``selective`` with ``blocks=n > 0``
+    checkpoints the first n blocks (memory and recompute both move about 1/depth per block, so n
+    sets the trade-off finely); else with ``every=k > 0`` every k-th block; with ``every=0`` it keeps
+    the matmul/attention outputs of every block and recomputes the rest
+    (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+
+    Raises:
+        UserError: ``blocks`` exceeds the model depth.
     """
     if mode == "none":
         return
+    depth = len(model.blocks)
+    if blocks > depth:
+        raise UserError(f"--ac_blocks {blocks} exceeds the model depth {depth}; use at most {depth} "
+                        "(or --activation_checkpointing full)")
     for i, block in enumerate(model.blocks):
-        if mode == "full" or (every > 0 and i % every == 0):
+        if mode == "full" or (blocks > 0 and i < blocks) or (blocks == 0 and every > 0 and i % every == 0):
             model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif every == 0:
+        elif blocks == 0 and every == 0:
             model.blocks[i] = checkpoint_wrapper(
                 block, preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _op_policy))
@@ -116,7 +126,7 @@ def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
     if world.tp > 1 or world.cp > 1:
         from distributed.tensor_parallel import apply_tensor_context_parallel
         apply_tensor_context_parallel(model, world.group("tp"), world.group("cp"))
-    apply_activation_checkpointing(model, params.activation_checkpointing, params.ac_every)
+    apply_activation_checkpointing(model, params.activation_checkpointing, params.ac_every, params.ac_blocks)
     fsdp = params.fsdp != "none" and world.dp > 1
     if params.enable_jit:
         if fsdp:

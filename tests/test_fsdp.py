@@ -32,10 +32,37 @@ def test_hsdp_four_ranks_matches_single_process(tiny_data, tmp_path, single):
     assert_state_close(single, sharded, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,every", [("full", 1), ("selective", 2), ("selective", 0)])
-def test_activation_checkpointing_is_exact(tiny_data, tmp_path, single, mode, every):
-    ckpt = train_checkpoint(tiny_params(tiny_data, tmp_path, activation_checkpointing=mode, ac_every=every, **STEPS))
+@pytest.mark.parametrize("mode,every,blocks", [("full", 1, 0), ("selective", 2, 0), ("selective", 0, 0),
+                                               ("selective", 0, 1)])
+def test_activation_checkpointing_is_exact(tiny_data, tmp_path, single, mode, every, blocks):
+    ckpt = train_checkpoint(tiny_params(tiny_data, tmp_path, activation_checkpointing=mode, ac_every=every,
+                                        ac_blocks=blocks, **STEPS))
     assert_state_close(single, ckpt, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,every,blocks,want", [
+    ("full", 1, 0, ["full", "full"]), ("selective", 2, 0, ["full", None]),
+    ("selective", 0, 0, ["op", "op"]), ("selective", 2, 1, ["full", None]), ("selective", 0, 2, ["full", "full"]),
+])
+def test_activation_checkpointing_wraps_the_chosen_blocks(mode, every, blocks, want):
+    from distributed.parallelize import apply_activation_checkpointing
+    from networks.vit import VisionTransformer
+    model = VisionTransformer(img_size=(8, 8), patch_size=4, in_chans=2, out_chans=2, embed_dim=8, depth=2,
+                              num_heads=2)
+    apply_activation_checkpointing(model, mode, every, blocks)
+    got = [None if not hasattr(b, "_checkpoint_wrapped_module") else
+           "op" if b.checkpoint_fn.keywords.get("context_fn") else "full" for b in model.blocks]
+    assert got == want
+
+
+def test_ac_blocks_beyond_depth_is_a_clear_error():
+    from distributed.parallelize import apply_activation_checkpointing
+    from networks.vit import VisionTransformer
+    from utils.errors import UserError
+    model = VisionTransformer(img_size=(8, 8), patch_size=4, in_chans=2, out_chans=2, embed_dim=8, depth=2,
+                              num_heads=2)
+    with pytest.raises(UserError, match="--ac_blocks 3 exceeds the model depth 2"):
+        apply_activation_checkpointing(model, "selective", 2, 3)
 
 
 def test_zero3_with_activation_checkpointing_and_accumulation(tiny_data, tmp_path, single):
