@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -193,5 +194,12 @@ def init_distributed(params) -> World:
 
 
 def shutdown() -> None:
+    """Destroy the process group. Under gloo, also give its worker threads a moment to release
+    their last finished collective: they outlive ``destroy_process_group`` and need the GIL to free
+    it, and one caught by interpreter shutdown aborts the rank (``terminate called without an active
+    exception``, SIGABRT after a successful run; pytorch/pytorch#190489)."""
     if dist.is_available() and dist.is_initialized():
+        gloo = dist.get_backend() == "gloo"
         dist.destroy_process_group()
+        if gloo:
+            time.sleep(0.05)
