@@ -21,7 +21,9 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     The result holds the variant name, the command, the exit status and, on success, the fields of the
     last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory, ...).
     """
-    run_num = name
+    # a fresh run directory per call: train.py appends to an existing one, which would mix earlier runs'
+    # epochs into this one's curve (and its retry check)
+    run_num = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = (launcher or [sys.executable]) + [str(ROOT / entry), *args, "--expdir", str(expdir),
                                             "--run_num", run_num, "--save_checkpoint", "false"]
     t0 = time.perf_counter()

@@ -61,6 +61,32 @@ def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, accum):
     assert_state_close(single, ddp, atol=1e-5)
 
 
+def test_compiled_model_and_loss_train_like_eager(tiny_data, tmp_path):
+    eager = train_checkpoint(tiny_params(tiny_data, tmp_path / "eager", num_iters=4))
+    compiled = train_checkpoint(tiny_params(tiny_data, tmp_path / "jit", num_iters=4, enable_jit="true"))
+    assert_state_close(eager, compiled, atol=1e-5)
+
+
+def _nan_report_on_ranks(rank: int, world_size: int, data_path: str, expdir: str) -> None:
+    from utils.errors import NonFiniteError
+    try:
+        train_on_ranks(rank, world_size, data_path, expdir, {"num_iters": 40, "global_batch_size": 8})
+    except NonFiniteError as exc:
+        (Path(expdir) / f"rank{rank}.txt").write_text(str(exc))
+
+
+def test_nan_in_data_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
+    bad = _copy_data(tiny_data, tmp_path / "nan")
+    name = sorted((bad / "train").glob("*.h5"))[1].name
+    with h5py.File(bad / "train" / name, "r+") as f:
+        f["fields"][3, 0, 5, 5] = np.nan
+    run_distributed(_nan_report_on_ranks, 2, str(bad), str(tmp_path))
+    reports = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    steps = {r.split(" at step ")[1].split(":")[0] for r in reports}
+    assert len(steps) == 1 and all("NaN/Inf in the training data" in r for r in reports), reports
+    assert sum(f"train/{name} time" in r for r in reports) >= 1, reports
+
+
 # ---------------------------------------------------------------- bad input through the CLI
 def _cli(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
