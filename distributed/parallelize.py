@@ -129,6 +129,8 @@ def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
     apply_activation_checkpointing(model, params.activation_checkpointing, params.ac_every, params.ac_blocks)
     fsdp = params.fsdp != "none" and world.dp > 1
     if params.enable_jit:
+        if params.compile_pdl:
+            enable_programmatic_dependent_launch()
         if fsdp:
             for block in model.blocks:
                 block.compile(mode=_compile_mode(params))
@@ -148,6 +150,18 @@ def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
 # The model has no buffers to keep in sync; torch >= 2.13 renamed the DDP switch.
 _NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                    else {"broadcast_buffers": False})
+
+
+def enable_programmatic_dependent_launch() -> None:
+    """Compile Triton kernels with Programmatic Dependent Launch (Inductor's ``triton.enable_pdl``).
+
+    On Hopper and newer GPUs each kernel is launched while the previous one on the stream drains, so
+    the ~2-5 us gap between dependent kernels (about 1.5 ms of a 90 ms ``short_opt`` step on an H100,
+    hundreds of kernels per step) overlaps with work. Other devices ignore it. Global: it applies to
+    every graph compiled afterwards in this process.
+    """
+    import torch._inductor.config as inductor_config
+    inductor_config.triton.enable_pdl = True
 
 
 def _compile_mode(params) -> str | None:

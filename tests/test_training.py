@@ -61,9 +61,13 @@ def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, accum):
     assert_state_close(single, ddp, atol=1e-5)
 
 
-def test_compiled_model_and_loss_train_like_eager(tiny_data, tmp_path):
+def test_compiled_model_and_loss_train_like_eager(tiny_data, tmp_path, monkeypatch):
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)
     eager = train_checkpoint(tiny_params(tiny_data, tmp_path / "eager", num_iters=4))
-    compiled = train_checkpoint(tiny_params(tiny_data, tmp_path / "jit", num_iters=4, enable_jit="true"))
+    compiled = train_checkpoint(tiny_params(tiny_data, tmp_path / "jit", num_iters=4, enable_jit="true",
+                                            compile_pdl="true"))
+    assert inductor_config.triton.enable_pdl is True  # --compile_pdl reached Inductor (a no-op on CPU)
     assert_state_close(eager, compiled, atol=1e-5)
 
 
