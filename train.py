@@ -1,48 +1,68 @@
 """Train the ERA5 ViT: one entry point for one GPU, DDP, FSDP and (via train_mp.py) tensor/context parallel.
 
-    python train.py --yaml_config config/ViT.yaml --config short --run_num 00 [--<key> <value> ...]
+    python train.py --config short [--<key> <value> ...]
+    python train.py --help [KEY] | --list-configs | --print-config
     torchrun --nproc_per_node=4 train.py --config bs64_opt
     sbatch submit_pm.sh --config=short
 
-Every key of the chosen config can be overridden as ``--<key> <value>`` (or ``--key=value``).
-Expected errors (bad config, data or environment) print one line and exit with status 2.
+Order: parse the config, validate it against the launch (world size, GPU present), join the other
+ranks, then train. Nothing is written to disk before the config, the launch and the data have been
+checked. Expected errors (bad config, data or environment) print one line, ``error: ...``, on every
+rank and exit with status 2.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from utils.errors import exit_status
 
-DEFAULT_YAML = "config/ViT.yaml"
 
+def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") -> int:
+    from utils.config import cli_config
 
-def main(argv: list[str] | None = None, default_config: str = "tiny") -> int:
-    from utils.config import load_params, parse_overrides
+    cfg = cli_config(argv, default_config, prog)
+    if cfg is None:  # --help, --list-configs or --print-config
+        return 0
+    import torch
 
-    overrides = parse_overrides(sys.argv[1:] if argv is None else argv)
-    yaml_path = overrides.pop("yaml_config", DEFAULT_YAML)
-    name = overrides.pop("config", default_config)
-    params = load_params(yaml_path, name, overrides)
-
-    from distributed.env import init_distributed, shutdown
+    from distributed.env import detect_launch, distributed_session
+    from utils.schema import Launch, validate
     from utils.trainer import run
 
-    world = init_distributed(params)
-    try:
-        run(params, world)
-    finally:
-        shutdown()
+    launch = detect_launch()
+    validate(cfg, Launch(launch.world_size, torch.cuda.is_available()))
+    with distributed_session(cfg.parallel, launch) as world:
+        run(cfg, world)
     return 0
 
 
 def cli(default_config: str = "tiny") -> int:
-    """Run :func:`main`, turning expected errors into a one-line message and exit status 2."""
+    """Run :func:`main` on ``sys.argv``: exit status 0, 2 with one line for expected errors, 130 when
+    interrupted, 1 with a traceback for a bug. A failed rank of a multi-process job exits at once,
+    without tearing down a process group whose peers may be gone."""
+    prog = Path(sys.argv[0]).name
     try:
-        return exit_status(main, default_config=default_config)
+        status = exit_status(main, sys.argv[1:], default_config, prog)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        status = 130
+    except BrokenPipeError:  # output piped into a reader that closed early (--help | head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    if status:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

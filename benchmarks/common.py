@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,11 +20,10 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     """Run ``train.py`` (under ``launcher``, e.g. torchrun) with ``args``; return its last epoch's metrics.
 
     The result holds the variant name, the command, the exit status and, on success, the fields of the
-    last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory, ...).
+    last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory/..., ...).
     """
-    # a fresh run directory per call: train.py appends to an existing one, which would mix earlier runs'
-    # epochs into this one's curve (and its retry check)
-    run_num = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # a fresh, named run directory per call (train.py refuses to reuse one)
+    run_num = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     cmd = (launcher or [sys.executable]) + [str(ROOT / entry), *args, "--expdir", str(expdir),
                                             "--run_num", run_num, "--save_checkpoint", "false"]
     t0 = time.perf_counter()
@@ -40,8 +40,8 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     epochs = [json.loads(line) for line in metrics[-1].read_text().strip().splitlines()]
     result.update(epochs[-1])
     # the loss curve over epochs, to compare runs (e.g. tensor parallel against tp=1)
-    result["curve"] = [{**{k: e.get(k) for k in ("iteration", "train_loss", "valid_loss", "samples_per_s")},
-                        "alloc_retries": e.get("memory", {}).get("alloc_retries")} for e in epochs]
+    result["curve"] = [{**{k: e.get(k) for k in ("iteration", "loss/train", "loss/valid", "samples_per_s")},
+                        "alloc_retries": e.get("memory/alloc_retries")} for e in epochs]
     print(f"[{name}] {result['samples_per_s']:.1f} samples/s", flush=True)
     return result
 

@@ -113,17 +113,17 @@ def compare(rows: list[dict], base: dict) -> None:
     for r in rows:
         if "samples_per_s" in r and "samples_per_s" in base:
             r["speed_vs_base"] = r["samples_per_s"] / base["samples_per_s"]
-        if "peak_reserved" in r.get("memory", {}) and "peak_reserved" in base.get("memory", {}):
-            r["reserved_cut"] = base["memory"]["peak_reserved"] / r["memory"]["peak_reserved"]
+        if "memory/peak_reserved" in r and "memory/peak_reserved" in base:
+            r["reserved_cut"] = base["memory/peak_reserved"] / r["memory/peak_reserved"]
 
 
 SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp}
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("per GPU", "per_gpu", ".1f"),
            ("efficiency", "efficiency", ".1%"), ("MFU", "mfu", ".1%"),
-           ("peak alloc GiB", "memory.peak_allocated", ".2f"), ("peak reserved GiB", "memory.peak_reserved", ".2f"),
-           ("retries", "memory.alloc_retries", "d"), ("reserved cut", "reserved_cut", ".2f"),
-           ("speed vs first", "speed_vs_base", ".0%"), ("train loss", "train_loss", ".4f"),
-           ("valid loss", "valid_loss", ".4f"), ("wall s", "wall_s", ".0f")]
+           ("peak alloc GiB", "memory/peak_allocated", ".2f"), ("peak reserved GiB", "memory/peak_reserved", ".2f"),
+           ("retries", "memory/alloc_retries", "d"), ("reserved cut", "reserved_cut", ".2f"),
+           ("speed vs first", "speed_vs_base", ".0%"), ("train loss", "loss/train", ".4f"),
+           ("valid loss", "loss/valid", ".4f"), ("wall s", "wall_s", ".0f")]
 
 
 def main() -> int:

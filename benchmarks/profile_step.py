@@ -21,17 +21,17 @@ def main(argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from distributed.env import init_distributed
-    from utils.config import load_params, parse_overrides
+    from utils.config import load_config, parse_overrides
     from utils.trainer import Trainer
 
     overrides = parse_overrides(argv)
     trace = overrides.pop("trace", None)
     warmup, steps = int(overrides.pop("warmup_steps", 8)), int(overrides.pop("profile_steps_n", 5))
     rows = int(overrides.pop("rows", 30))
-    params = load_params(overrides.pop("yaml_config", "config/ViT.yaml"), overrides.pop("config", "short_opt"),
-                         {"expdir": "/tmp/profile_runs", "save_checkpoint": "false", **overrides})
-    world = init_distributed(params)
-    trainer = Trainer(params, world)
+    cfg = load_config(overrides.pop("yaml_config", "config/ViT.yaml"), overrides.pop("config", "short_opt"),
+                      {"expdir": "/tmp/profile_runs", "save_checkpoint": "false", **overrides})
+    world = init_distributed(cfg.parallel)
+    trainer = Trainer(cfg, world)
     trainer.model.train()
 
     def batches():
@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
     if trace:
         prof.export_chrome_trace(trace)
+    trainer.close()
     return 0
 
 

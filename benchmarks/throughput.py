@@ -46,8 +46,8 @@ VARIANTS = {
 DEFAULT = ("fp32_w0,fp32_w8,opt_w8,fast_w8,fast_dali_w8,synthetic_fp32,synthetic_bf16,synthetic_opt,"
            "synthetic_fast")
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("MFU", "mfu", ".1%"),
-           ("data wait", "data_wait_share", ".0%"), ("peak alloc GiB", "memory.peak_allocated", ".2f"),
-           ("peak reserved GiB", "memory.peak_reserved", ".2f"), ("retries", "memory.alloc_retries", "d"),
+           ("data wait", "data_wait_share", ".0%"), ("peak alloc GiB", "memory/peak_allocated", ".2f"),
+           ("peak reserved GiB", "memory/peak_reserved", ".2f"), ("retries", "memory/alloc_retries", "d"),
            ("wall s", "wall_s", ".0f")]
 
 
@@ -62,9 +62,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
 
-    from utils.config import load_params
-    params = load_params("config/ViT.yaml", args.config)
-    steps = (params.limit_nsamples or 512) // params.global_batch_size
+    from utils.config import load_config
+    cfg = load_config("config/ViT.yaml", args.config)
+    steps = (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size
     rows = Results(Path(args.out), config=args.config)
     for name in args.variants.split(","):
         common = ["--config", args.config, "--data_path", args.data_path, "--num_iters", str(args.epochs * steps),

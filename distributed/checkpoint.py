@@ -13,6 +13,7 @@ good checkpoint with a truncated one.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,26 +23,49 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from utils.errors import UserError
+
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU state dict with the plain model's keys; collective: call on every rank."""
-    from distributed.parallelize import _is_tensor_context_parallel, unwrap
-    if _is_tensor_context_parallel(model):
+    from distributed.parallelize import is_tensor_context_parallel, unwrap
+    if is_tensor_context_parallel(model):
         from distributed.tensor_parallel import full_state_dict
         return full_state_dict(unwrap(model))
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_full_model(model: nn.Module, path: str | Path, extra: dict | None = None) -> None:
-    """Gather the full model and write ``{"model": state_dict, **extra}`` to ``path`` on rank 0."""
+    """Gather the full model and write ``{"model": state_dict, **extra}`` to ``path`` on rank 0.
+
+    Raises:
+        UserError: the write failed (full disk, quota, I/O error); the previous file at ``path``
+            is kept and the partial one removed.
+    """
     state = full_model_state_dict(model)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"model": state, **(extra or {})}, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # through a Python file, so a full disk surfaces as OSError(ENOSPC) and not as the zip
+        # writer's "unexpected pos" RuntimeError
+        with open(tmp, "wb") as f:
+            torch.save({"model": state, **(extra or {})}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"writing checkpoint {path} failed: {exc.strerror or exc} ({_free_space(path.parent)}); "
+                        "the previous checkpoint is kept: free space or pass --expdir on a larger filesystem "
+                        "(or --save_checkpoint false)") from None
+
+
+def _free_space(directory: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:

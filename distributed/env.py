@@ -14,16 +14,20 @@ adjacent ranks, i.e. on one node); ``dp`` is the flattened data-parallel dimensi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distributed.rendezvous import FailureChannel, finish, rendezvous
 from utils.errors import UserError
+from utils.schema import ParallelConfig, data_parallel_size
 
 
 @dataclass
@@ -54,7 +58,15 @@ def _int(environ, key: str) -> int:
     try:
         return int(environ[key])
     except ValueError:
-        raise UserError(f"environment variable {key}={environ[key]!r} is not an integer") from None
+        raise UserError(f"environment variable {key}={environ[key]!r} is not an integer; "
+                        "fix or unset it") from None
+
+
+def _port(environ, default: int) -> int:
+    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else default
+    if not 1 <= port <= 65535:
+        raise UserError(f"MASTER_PORT={port} is not a TCP port (1-65535); export a free port such as 29500")
+    return port
 
 
 def detect_launch(environ=os.environ) -> LaunchEnv:
@@ -63,8 +75,7 @@ def detect_launch(environ=os.environ) -> LaunchEnv:
         env = LaunchEnv(_int(environ, "RANK"), _int(environ, "WORLD_SIZE"), _int(environ, "LOCAL_RANK")
                         if "LOCAL_RANK" in environ else 0,
                         _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else 1,
-                        environ.get("MASTER_ADDR", "127.0.0.1"), int(environ.get("MASTER_PORT", 29500)),
-                        "torchrun")
+                        environ.get("MASTER_ADDR", "127.0.0.1"), _port(environ, 29500), "torchrun")
     elif "SLURM_PROCID" in environ and ("SLURM_STEP_NUM_TASKS" in environ or "SLURM_NTASKS" in environ):
         ntasks_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
         if "MASTER_ADDR" in environ:
@@ -73,11 +84,11 @@ def detect_launch(environ=os.environ) -> LaunchEnv:
             addr = first_slurm_host(environ["SLURM_JOB_NODELIST"])
         else:
             raise UserError("SLURM launch without SLURM_JOB_NODELIST or MASTER_ADDR; export MASTER_ADDR")
-        job = int(environ.get("SLURM_JOB_ID", "0") or 0)
+        job = _int(environ, "SLURM_JOB_ID") if environ.get("SLURM_JOB_ID") else 0
         env = LaunchEnv(_int(environ, "SLURM_PROCID"), _int(environ, ntasks_key),
                         _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
                         int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1),
-                        addr, int(environ.get("MASTER_PORT", 29500 + job % 1000)), "slurm")
+                        addr, _port(environ, 29500 + job % 1000), "slurm")
     else:
         return LaunchEnv()
     if env.world_size < 1 or not 0 <= env.rank < env.world_size:
@@ -106,6 +117,7 @@ class World:
     tp: int = 1
     dp_rank: int = 0
     meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    store: dist.Store | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -127,16 +139,6 @@ class World:
         return self.meshes[name].get_group()
 
 
-def parallel_sizes(world_size: int, tp: int, cp: int) -> int:
-    """Data-parallel size ``world_size / (tp * cp)``. Raises UserError when it does not divide."""
-    if tp < 1 or cp < 1:
-        raise UserError(f"--tensor_parallel ({tp}) and --context_parallel ({cp}) must be >= 1")
-    if world_size % (tp * cp):
-        raise UserError(f"world size {world_size} is not divisible by tensor_parallel x context_parallel "
-                        f"= {tp} x {cp}; launch a multiple of {tp * cp} processes or change the sizes")
-    return world_size // (tp * cp)
-
-
 def hsdp_split(dp: int, shard: int) -> tuple[int, int]:
     """(replicate, shard) sizes of the data-parallel dimension for HSDP. Raises UserError if not divisible."""
     if shard < 1 or dp % shard:
@@ -149,7 +151,7 @@ def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str
                  hsdp_shard: int) -> dict[str, DeviceMesh]:
     """One device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order``; returns its
     ``dp`` (flattened replicate x shard), ``cp``, ``tp`` and ``hsdp`` (2D) sub-meshes."""
-    dp = parallel_sizes(world_size, tp, cp)
+    dp = world_size // (tp * cp)
     rep, shard = hsdp_split(dp, hsdp_shard) if hsdp_shard else (1, dp)
     sizes = {"tp": tp, "cp": cp, "dp_replicate": rep, "dp_shard": shard}
     dims: list[str] = []
@@ -160,41 +162,89 @@ def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str
     return {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
 
 
-def init_distributed(params) -> World:
-    """Start torch.distributed (NCCL on GPUs, gloo on CPU) and build the mesh.
+def select_device(env: LaunchEnv) -> torch.device:
+    """``cuda:<local rank>`` (made current) when GPUs are visible, else the CPU.
 
-    One process per GPU: the device is ``cuda:<local_rank>``. Raises UserError when the
-    world size does not divide into tensor x context parallel, or the launcher's variables
-    are inconsistent.
+    Raises:
+        UserError: more local ranks than visible GPUs.
     """
-    env = detect_launch()
-    if torch.cuda.is_available():
-        if env.local_rank >= torch.cuda.device_count():
-            raise UserError(f"local rank {env.local_rank} but only {torch.cuda.device_count()} GPUs visible; "
-                            "launch one process per GPU")
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    tp, cp = params.tensor_parallel, params.context_parallel
-    dp = parallel_sizes(env.world_size, tp, cp)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if env.local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {env.local_rank} but only {torch.cuda.device_count()} GPUs visible; "
+                        "launch one process per GPU")
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> World:
+    """Join the job (bounded rendezvous), start torch.distributed (NCCL on GPUs, gloo on CPU) and
+    build the mesh from ``parallel`` (``tensor_parallel``, ``context_parallel``, ``fsdp``, ...).
+
+    One process per GPU: the device is ``cuda:<local_rank>``. A process group started by the
+    caller (tests) is reused.
+
+    Raises:
+        UserError: the world size does not divide into tensor x context parallel, the launcher's
+            variables are inconsistent, or a rank did not join within ``rendezvous_timeout`` s.
+    """
+    env = env or detect_launch()
+    device = select_device(env)
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    dp = data_parallel_size(env.world_size, parallel)
     if env.world_size == 1:
         return World(env, device)
+    store = None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size,
+        store = rendezvous(env, parallel.rendezvous_timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(seconds=parallel.collective_timeout),
                                 device_id=device if device.type == "cuda" else None)
     shard = 0
-    if params.fsdp == "hsdp":
-        shard = params.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
-                                              else torch.cuda.device_count() or dp)
-    meshes = build_meshes(device.type, env.world_size, tp, cp, params.parallel_order, shard)
-    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes)
+    if parallel.fsdp == "hsdp":
+        shard = parallel.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
+                                                else torch.cuda.device_count() or dp)
+    meshes = build_meshes(device.type, env.world_size, tp, cp, parallel.parallel_order, shard)
+    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes, store)
+
+
+def broadcast_from_main(obj, world: World):
+    """``obj`` as rank 0 has it, on every rank (a picklable object; no-op for one process)."""
+    if world.world_size == 1 or not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextlib.contextmanager
+def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
+    """Yield the :class:`World`; make every rank stop, with one line, as soon as any rank fails.
+
+    A :class:`distributed.rendezvous.FailureChannel` watches the job's store: an exception on one
+    rank is published before it propagates, and the other ranks print it and exit (status 2)
+    instead of waiting in their next collective. A normal end passes a store barrier first, so
+    rank 0 (which hosts the store) outlives every rank still polling it.
+    """
+    world = init_distributed(parallel, env)
+    channel = None
+    if world.store is not None:
+        channel = FailureChannel(world.store, world.rank, world.world_size)
+        channel.start()
+    try:
+        yield world
+    except BaseException as exc:
+        if channel is not None:
+            channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
+        raise
+    if channel is not None:
+        finish(world.store, channel, world.rank, world.world_size, parallel.collective_timeout)
+    shutdown()
 
 
 def shutdown() -> None:
-    """Destroy the process group. Under gloo, also give its worker threads a moment to release
+    """Destroy the process group (after a successful run). Under gloo, also give its worker threads a moment to release
     their last finished collective: they outlive ``destroy_process_group`` and need the GIL to free
     it, and one caught by interpreter shutdown aborts the rank (``terminate called without an active
     exception``, SIGABRT after a successful run; pytorch/pytorch#190489)."""

@@ -84,7 +84,7 @@ class ParallelGroups:
         return f"ParallelGroups(tp={group_size(self.tp_group)}, cp={group_size(self.cp_group)})"
 
 
-class _ParallelModule(nn.Module):
+class ParallelModule(nn.Module):
     """Mixin giving ``tp_group`` / ``cp_group`` properties backed by :class:`ParallelGroups`."""
 
     parallel_groups: ParallelGroups
@@ -156,7 +156,7 @@ class ShardLayout:
 # ----------------------------------------------------------------------------- linear layers
 
 
-class DistributedMatmul(_ParallelModule):
+class DistributedMatmul(ParallelModule):
     """Tensor-parallel ``y = x W^T + b`` with ``W`` of dense shape ``(out_features, in_features)``.
 
     ``parallel="column"``: this rank owns rows ``W_r`` (``(out_r, in)``) and ``b_r``.
@@ -273,7 +273,7 @@ class DistributedMatmul(_ParallelModule):
                 f"local_weight={tuple(self.weight.shape)}, bias={self.bias is not None}, {self.parallel_groups}")
 
 
-class DistributedMLP(_ParallelModule):
+class DistributedMLP(ParallelModule):
     """``fc2(GELU(fc1(x)))`` with ``fc1`` column-parallel and ``fc2`` row-parallel.
 
     ``(B, n, D) -> (B, n, D)``, input and output replicated over TP; the hidden activation
@@ -309,7 +309,7 @@ class DistributedMLP(_ParallelModule):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class DistributedAttention(_ParallelModule):
+class DistributedAttention(ParallelModule):
     """Multi-head self-attention with heads split over TP and tokens split over CP.
 
     Input ``x``: ``(B, n_r, D)`` this CP rank's tokens, replicated over TP. Output: same shape.
@@ -391,7 +391,7 @@ class DistributedAttention(_ParallelModule):
 # ----------------------------------------------------------------------------- replicated layers
 
 
-class DistributedLayerNorm(nn.LayerNorm, _ParallelModule):
+class DistributedLayerNorm(nn.LayerNorm, ParallelModule):
     """``nn.LayerNorm`` over the last dim of ``(B, n_r, D)`` CP-split tokens; weights replicated.
 
     The forward is the dense one (normalization is per token, so no communication). Each
@@ -424,7 +424,7 @@ class DistributedLayerNorm(nn.LayerNorm, _ParallelModule):
         return new
 
 
-class DistributedPatchEmbed(_ParallelModule):
+class DistributedPatchEmbed(ParallelModule):
     """Patch embedding that returns only this CP rank's tokens.
 
     ``(B, C, H, W)`` (full image, the same on every rank) -> ``(B, n_r, D)``, the tokens
@@ -477,12 +477,12 @@ class DistributedPatchEmbed(_ParallelModule):
 # ----------------------------------------------------------------------------- gradient reduction
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     # DTensor gradients (FSDP2 over a dp mesh dim): reduce their local shard in place.
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _find_groups(model: nn.Module) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def find_groups(model: nn.Module) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     found = [m.parallel_groups for m in model.modules()
              if isinstance(getattr(m, "parallel_groups", None), ParallelGroups)]
     # keyed by member ranks: a DeviceMesh may hand out distinct objects for the same group
@@ -493,7 +493,7 @@ def _find_groups(model: nn.Module) -> tuple[dist.ProcessGroup | None, dist.Proce
     return next(iter(tps.values()), None), next(iter(cps.values()), None)
 
 
-def _tp_sharded_params(model: nn.Module) -> set[int]:
+def tp_sharded_params(model: nn.Module) -> set[int]:
     ids = set()
     for m in model.modules():
         for name in getattr(m, "tp_layouts", {}):
@@ -545,14 +545,14 @@ def reduce_replicated_gradients(model: nn.Module, *, sync_tp_replicas: bool = Fa
     Raises:
         ValueError: if the model mixes several TP or CP groups.
     """
-    tp_group, cp_group = _find_groups(model)
+    tp_group, cp_group = find_groups(model)
     bucket_bytes = int(bucket_mb * 2**20)
     params = [p for p in model.parameters() if p.grad is not None]
     if cp_group is not None:
-        _all_reduce_coalesced([_local(p.grad) for p in params], cp_group, dist.ReduceOp.SUM, bucket_bytes)
+        _all_reduce_coalesced([local_tensor(p.grad) for p in params], cp_group, dist.ReduceOp.SUM, bucket_bytes)
     if sync_tp_replicas and tp_group is not None:
-        sharded = _tp_sharded_params(model)
-        grads = [_local(p.grad) for p in params if id(p) not in sharded]
+        sharded = tp_sharded_params(model)
+        grads = [local_tensor(p.grad) for p in params if id(p) not in sharded]
         _all_reduce_coalesced(grads, tp_group, dist.ReduceOp.SUM, bucket_bytes)
         for g in grads:
             g.div_(group_size(tp_group))

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from distributed.env import World
-from utils.errors import UserError
+from utils.schema import ParallelConfig, PrecisionConfig
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,15 +54,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
     the matmul/attention outputs of every block and recomputes the rest
     (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 
-    Raises:
-        UserError: ``blocks`` exceeds the model depth.
+    ``blocks`` must not exceed the depth (``utils.schema.validate`` checks it).
     """
     if mode == "none":
         return
-    depth = len(model.blocks)
-    if blocks > depth:
-        raise UserError(f"--ac_blocks {blocks} exceeds the model depth {depth}; use at most {depth} "
-                        "(or --activation_checkpointing full)")
     for i, block in enumerate(model.blocks):
         if mode == "full" or (blocks > 0 and i < blocks) or (blocks == 0 and every > 0 and i % every == 0):
             model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -72,7 +67,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
                 context_fn=partial(create_selective_checkpoint_contexts, _op_policy))
 
 
-def apply_fsdp(model: nn.Module, params, world: World) -> None:
+def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world: World) -> None:
     """Shard with FSDP2 ``fully_shard``: each block, then the root (in place).
 
     ``zero3``/``hsdp`` free the gathered parameters after forward (re-gathered in backward);
@@ -81,69 +76,78 @@ def apply_fsdp(model: nn.Module, params, world: World) -> None:
     ``fsdp_prefetch`` = n lets the next n blocks' all-gathers run ahead of compute
     (``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``): more overlap,
     more memory held; 0 keeps FSDP2's defaults (gather on use, backward implicit next-1).
+    ``fsdp_cpu_offload`` keeps shards, gradients and optimizer state on the host
+    (``CPUOffloadPolicy``; the model must be materialized on the CPU).
     """
-    mesh = world.meshes["hsdp" if params.fsdp == "hsdp" else "dp"]
-    param_dtype = AMP_DTYPES[params.amp_mode]
-    reduce_dtype = torch.float32 if params.fsdp_reduce_dtype == "fp32" else param_dtype
-    kwargs = dict(mesh=mesh, reshard_after_forward=params.fsdp != "zero2",
+    mesh = world.meshes["hsdp" if parallel.fsdp == "hsdp" else "dp"]
+    param_dtype = AMP_DTYPES[amp_mode]
+    reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else param_dtype
+    kwargs = dict(mesh=mesh, reshard_after_forward=parallel.fsdp != "zero2",
                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
-    if params.fsdp_cpu_offload:
+    if parallel.fsdp_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = list(model.blocks)
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    n = params.fsdp_prefetch
+    n = parallel.fsdp_prefetch
     if n > 0:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
 
 
-def build_parallel_model(params, world: World, build) -> nn.Module:
-    """Build the model with ``build(params)`` and parallelize it on ``world.device``.
+def uses_fsdp(parallel: ParallelConfig, world: World) -> bool:
+    """FSDP applies only with more than one data-parallel rank (one process trains unsharded)."""
+    return parallel.fsdp != "none" and world.dp > 1
+
+
+def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
+                         grad_accum_steps: int = 1) -> nn.Module:
+    """Build the model with ``build()`` and parallelize it on ``world.device``.
 
     Every rank starts from the weights that ``build`` makes on the CPU with the current seed, the
     same as a single-GPU run. With FSDP (and no tensor/context parallelism) the model is built on
     the meta device and sharded first; only rank 0 builds the full weights, on the host, and
     ``set_model_state_dict(broadcast_from_rank0=True)`` sends each rank just its shards, so the
-    full model never sits on one GPU.
+    full model never sits on one GPU. With ``fsdp_cpu_offload`` the shards are materialized on
+    the host, where FSDP's offload policy requires them.
     """
-    fsdp_only = params.fsdp != "none" and world.dp > 1 and world.tp == world.cp == 1
+    fsdp_only = uses_fsdp(parallel, world) and world.tp == world.cp == 1
     if not fsdp_only:
-        return parallelize_model(build(params).to(world.device), params, world)
-    full = build(params).state_dict() if world.is_main else {}
+        return parallelize_model(build().to(world.device), parallel, precision, world, grad_accum_steps)
+    full = build().state_dict() if world.is_main else {}
     with torch.device("meta"):
-        model = build(params)
-    model = parallelize_model(model, params, world)
-    model.to_empty(device=world.device)
+        model = build()
+    model = parallelize_model(model, parallel, precision, world, grad_accum_steps)
+    model.to_empty(device="cpu" if parallel.fsdp_cpu_offload else world.device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
 
-def parallelize_model(model: nn.Module, params, world: World) -> nn.Module:
+def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
+                      grad_accum_steps: int = 1) -> nn.Module:
     """Return the model to train: parallelized, checkpointed, compiled and on ``world.device``."""
     if world.tp > 1 or world.cp > 1:
         from distributed.tensor_parallel import apply_tensor_context_parallel
         apply_tensor_context_parallel(model, world.group("tp"), world.group("cp"))
-    apply_activation_checkpointing(model, params.activation_checkpointing, params.ac_every, params.ac_blocks)
-    fsdp = params.fsdp != "none" and world.dp > 1
-    if params.enable_jit:
-        if params.compile_pdl:
+    apply_activation_checkpointing(model, precision.activation_checkpointing, precision.ac_every,
+                                   precision.ac_blocks)
+    fsdp = uses_fsdp(parallel, world)
+    if precision.enable_jit:
+        if precision.compile_pdl:
             enable_programmatic_dependent_launch()
-        if fsdp:
-            for block in model.blocks:
-                block.compile(mode=_compile_mode(params))
-        else:
-            model.compile(mode=_compile_mode(params))
+        mode = None if precision.compile_mode == "default" else precision.compile_mode
+        for part in (model.blocks if fsdp else [model]):
+            part.compile(mode=mode)
     if fsdp:
-        apply_fsdp(model, params, world)
+        apply_fsdp(model, parallel, precision.amp_mode, world)
     elif world.dp > 1:
         model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
-                    process_group=world.group("dp"), bucket_cap_mb=params.bucket_cap_mb,
+                    process_group=world.group("dp"), bucket_cap_mb=parallel.bucket_cap_mb,
                     gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
                     # static_graph trips an internal assert under no_sync (gradient accumulation)
-                    static_graph=params.ddp_static_graph and params.grad_accum_steps == 1)
+                    static_graph=parallel.ddp_static_graph and grad_accum_steps == 1)
     return model
 
 
@@ -164,10 +168,6 @@ def enable_programmatic_dependent_launch() -> None:
     inductor_config.triton.enable_pdl = True
 
 
-def _compile_mode(params) -> str | None:
-    return None if params.compile_mode == "default" else params.compile_mode
-
-
 def gradient_sync(model: nn.Module, sync: bool):
     """Context for one micro-step: gradients are reduced across ``dp`` only when ``sync``.
 
@@ -185,14 +185,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
 
 
-def _is_tensor_context_parallel(model: nn.Module) -> bool:
+def is_tensor_context_parallel(model: nn.Module) -> bool:
     return getattr(unwrap(model), "_tensor_context_parallel", False)
 
 
 def reduce_replicated_gradients(model: nn.Module) -> None:
     """Sum gradients of parameters replicated over context-parallel peers (call after the last
     backward of a step, before clipping); nothing to do without tensor/context parallelism."""
-    if _is_tensor_context_parallel(model):
+    if is_tensor_context_parallel(model):
         from distributed.layers import reduce_replicated_gradients as reduce_tp
         reduce_tp(unwrap(model))
 
@@ -204,7 +204,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     (``distributed.tensor_parallel.clip_grad_norm_``); FSDP's DTensor gradients are handled by
     ``torch.nn.utils.clip_grad_norm_``.
     """
-    if _is_tensor_context_parallel(model):
+    if is_tensor_context_parallel(model):
         from distributed.tensor_parallel import clip_grad_norm_
         return clip_grad_norm_(unwrap(model), max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

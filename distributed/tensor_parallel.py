@@ -43,10 +43,10 @@ from distributed.layers import (
     DistributedPatchEmbed,
     ParallelGroups,
     ShardLayout,
-    _ParallelModule,
-    _find_groups,
-    _local,
-    _tp_sharded_params,
+    ParallelModule,
+    find_groups,
+    local_tensor,
+    tp_sharded_params,
     reduce_replicated_gradients,
 )
 from distributed.mappings import all_gather_uneven, gather_from_parallel_region, group_rank, group_size
@@ -65,7 +65,7 @@ __all__ = [
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-class TensorContextParallelViT(_ParallelModule, VisionTransformer):
+class TensorContextParallelViT(ParallelModule, VisionTransformer):
     """A :class:`VisionTransformer` after :func:`apply_tensor_context_parallel` (never built directly).
 
     ``forward``: ``(B, C_in, H, W)`` full image on every rank -> ``(B, C_out, H, W)`` full
@@ -246,8 +246,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     Raises:
         RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
     """
-    tp_group, _ = _find_groups(model)
-    sharded = _tp_sharded_params(model)
+    tp_group, _ = find_groups(model)
+    sharded = tp_sharded_params(model)
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
@@ -267,5 +267,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
-        _local(p.grad).mul_(coef.to(p.grad.dtype))
+        local_tensor(p.grad).mul_(coef.to(p.grad.dtype))
     return total

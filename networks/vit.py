@@ -187,16 +187,24 @@ class VisionTransformer(nn.Module):
         return self.unpatchify(self.head(self.forward_features(x)))
 
 
-def build_model(params) -> VisionTransformer:
-    """Build the ViT described by a config (keys ``img_size, patch_size, n_in_channels,
-    n_out_channels, embed_dim, depth, num_heads, mlp_ratio``)."""
-    return VisionTransformer(
-        img_size=tuple(params["img_size"]),
-        patch_size=params["patch_size"],
-        in_chans=params["n_in_channels"],
-        out_chans=params["n_out_channels"],
-        embed_dim=params["embed_dim"],
-        depth=params["depth"],
-        num_heads=params["num_heads"],
-        mlp_ratio=params["mlp_ratio"],
+def build_model(model, data) -> VisionTransformer:
+    """Build the network named by ``model.nettype`` (a ``utils.schema.ModelConfig``) for the grid and
+    channels of ``data`` (a ``DataConfig``: ``img_size``, ``n_in_channels``, ``n_out_channels``).
+
+    Raises:
+        KeyError: ``model.nettype`` is not in :data:`MODELS` (the config schema only allows those).
+    """
+    return MODELS[model.nettype](
+        img_size=tuple(data.img_size),
+        patch_size=model.patch_size,
+        in_chans=data.n_in_channels,
+        out_chans=data.n_out_channels,
+        embed_dim=model.embed_dim,
+        depth=model.depth,
+        num_heads=model.num_heads,
+        mlp_ratio=model.mlp_ratio,
     )
+
+
+# ``nettype`` values of the config; the schema's Literal for nettype lists the same names.
+MODELS = {"VisionTransformer": VisionTransformer}

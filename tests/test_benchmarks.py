@@ -13,4 +13,5 @@ def test_run_variant_reports_only_its_own_epochs(tiny_data, tmp_path):
     for row in (first, again):
         assert row["returncode"] == 0, row.get("error")
         assert [e["iteration"] for e in row["curve"]] == [4, 8], row["curve"]  # 2 epochs of 4 steps
-        assert row["samples_per_s"] > 0 and "memory" in row
+        assert row["samples_per_s"] > 0 and row["memory/peak_rss"] > 0
+    assert first["command"] != again["command"]  # two runs, two run directories

@@ -1,16 +1,21 @@
-"""Tests of utils/config.py and config/ViT.yaml, plus the batch-size and lr-schedule helpers."""
+"""Tests of the typed config (utils/schema.py, utils/config.py) and config/ViT.yaml, plus the batch-size and
+lr-schedule helpers."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from ruamel.yaml import YAML
 
-from utils.config import Params, load_params, parse_overrides
+from utils.config import (cli_config, config_list, full_help, key_help, load_config, markdown_flags,
+                          parse_overrides, to_yaml)
 from utils.errors import UserError
+from utils.schema import KEYS, Config, Launch, batch_sizes, validate
 
 REPO = Path(__file__).resolve().parents[1]
 YAML_PATH = REPO / "config" / "ViT.yaml"
@@ -19,8 +24,14 @@ NAMES = (["base", "short", "short_opt", "opt"] + [f"bs{n}_opt" for n in LADDER]
          + ["mp", "vit_2b", "tiny", "era5_sample"])
 
 
-def load(name="base", **overrides):
-    return load_params(YAML_PATH, name, {k: v for k, v in overrides.items()})
+def load_cfg(name="base", **overrides) -> Config:
+    return load_config(YAML_PATH, name, overrides)
+
+
+def load(name="base", **overrides) -> SimpleNamespace:
+    """Flat view of a loaded config (every key as an attribute, lists for tuples, plus ``config``)."""
+    cfg = load_cfg(name, **overrides)
+    return SimpleNamespace(**cfg.flat(), config=cfg.name)
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +43,7 @@ def base():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_named_config_loads(name, base):
     p = load(name)
-    assert isinstance(p, Params)
     assert p.config == name
-    # merge keys bring in every base key, and no config invents new ones
-    assert set(p) == set(base)
     # the model it describes is valid
     h, w = p.img_size
     assert h % p.patch_size == 0 and w % p.patch_size == 0
@@ -64,16 +72,7 @@ def test_base_values(base):
     assert base.limit_nsamples is None and base.limit_nsamples_val is None
     assert base.amp_mode == "none" and base.enable_fused is False and base.enable_jit is False
     assert base.grad_accum_steps == 1
-    assert base.run_num == "00"  # stays a string
-
-
-def test_attribute_access(base):
-    assert base.embed_dim == base["embed_dim"]
-    with pytest.raises(AttributeError):
-        base.no_such_key
-    p = load("base")
-    p.depth = 3
-    assert p["depth"] == 3
+    assert base.run_num == "auto"  # a string: the next free run number
 
 
 def test_short_configs():
@@ -119,7 +118,8 @@ def test_param_formula_matches_a_real_model():
     from networks.vit import build_model
 
     p = load("tiny")
-    assert vit_param_count(p) == sum(t.numel() for t in build_model(p).parameters())
+    cfg = load_cfg("tiny")
+    assert vit_param_count(p) == sum(t.numel() for t in build_model(cfg.model, cfg.data).parameters())
 
 
 def test_vit_2b_size():
@@ -131,8 +131,9 @@ def test_vit_2b_size():
     assert p.limit_nsamples == 512  # inherited from mp
     n = vit_param_count(p)
     assert 1.8e9 <= n <= 2.2e9
+    cfg = load_cfg("vit_2b")
     with torch.device("meta"):  # no memory: just shapes
-        model = build_model(p)
+        model = build_model(cfg.model, cfg.data)
     assert sum(t.numel() for t in model.parameters()) == n
 
 
@@ -175,12 +176,12 @@ def test_bool_override(raw, want):
 def test_bare_flag_means_true():
     ov = parse_overrides(["--enable_fused", "--depth", "3"])
     assert ov == {"enable_fused": "true", "depth": "3"}
-    p = load_params(YAML_PATH, "base", ov)
+    p = load("base", **ov)
     assert p.enable_fused is True and p.depth == 3
     # a flag followed by another option is still a flag
     assert parse_overrides(["--enable_jit", "--enable_fused"]) == {"enable_jit": "true", "enable_fused": "true"}
     # and false can be given explicitly, turning off what a config turned on
-    assert load_params(YAML_PATH, "opt", parse_overrides(["--enable_jit", "false"])).enable_jit is False
+    assert load("opt", **parse_overrides(["--enable_jit", "false"])).enable_jit is False
 
 
 @pytest.mark.parametrize("raw", ["[180,360]", "180,360", "[180, 360]"])
@@ -217,7 +218,7 @@ def test_string_overrides():
 def test_key_equals_value_form():
     ov = parse_overrides(["--lr=1e-3", "--img_size=[180,360]", "--local-batch-size=2"])
     assert ov == {"lr": "1e-3", "img_size": "[180,360]", "local_batch_size": "2"}
-    p = load_params(YAML_PATH, "base", ov)
+    p = load("base", **ov)
     assert p.lr == pytest.approx(1e-3) and p.img_size == [180, 360] and p.local_batch_size == 2
 
 
@@ -236,15 +237,28 @@ def test_unknown_key_suggests_the_closest():
 
 
 @pytest.mark.parametrize("key,raw,pattern", [
-    ("depth", "abc", "--depth expects int"),
-    ("depth", "6.5", "--depth expects int"),
-    ("depth", "true", "--depth expects int"),
-    ("lr", "fast", "--lr expects float"),
+    ("depth", "abc", "--depth expects an integer"),
+    ("depth", "6.5", "--depth expects an integer"),
+    ("depth", "true", "--depth expects an integer"),
+    ("lr", "fast", "--lr expects a number"),
+    ("lr", "nan", "--lr expects a finite number"),
     ("enable_fused", "maybe", "--enable_fused expects true or false"),
     ("img_size", "[1,2,3]", "--img_size expects a list of 2"),
     ("img_size", "360", "--img_size expects a list of 2"),
-    ("img_size", "[a,b]", "--img_size expects int"),
-    ("limit_nsamples", "lots", "--limit_nsamples expects int"),
+    ("img_size", "[a,b]", "--img_size expects an integer"),
+    ("limit_nsamples", "lots", "--limit_nsamples expects an integer"),
+    ("depth", "null", "--depth expects an integer"),
+    # per-key ranges
+    ("depth", "0", "--depth must be >= 1, got 0"),
+    ("dt", "0", "--dt must be >= 1"),
+    ("num_iters", "-5", "--num_iters must be >= 1"),
+    ("limit_nsamples", "0", "--limit_nsamples must be >= 1"),
+    ("global_batch_size", "0", "--global_batch_size must be >= 1"),
+    ("patch_size", "0", "--patch_size must be >= 1"),
+    ("valid_every", "0", "--valid_every must be >= 1"),
+    ("lr", "-1", "--lr must be > 0"),
+    ("betas", "[0.9,1.5]", "--betas must be in \\[0, 1\\)"),
+    ("img_size", "[0,64]", "--img_size must be >= 1"),
 ])
 def test_wrong_type(key, raw, pattern):
     with pytest.raises(UserError, match=pattern):
@@ -269,18 +283,18 @@ def test_unknown_config_name():
 
 def test_missing_yaml_file(tmp_path):
     with pytest.raises(UserError, match="not found"):
-        load_params(tmp_path / "nope.yaml", "base")
+        load_config(tmp_path / "nope.yaml", "base")
 
 
 def test_malformed_yaml_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: [1, 2\n  x: {")
     with pytest.raises(UserError, match="not valid YAML"):
-        load_params(bad, "base")
+        load_config(bad, "base")
     flat = tmp_path / "flat.yaml"
     flat.write_text("- a\n- b\n")
     with pytest.raises(UserError, match="must map config names"):
-        load_params(flat, "base")
+        load_config(flat, "base")
 
 
 def test_bad_command_line_arguments():
@@ -292,14 +306,15 @@ def test_bad_command_line_arguments():
 
 # ---------------------------------------------------------------- to_yaml
 @pytest.mark.parametrize("name", ["base", "vit_2b", "tiny"])
-def test_to_yaml_round_trip(name):
-    p = load(name, img_size="[16,32]", lr="1e-3", limit_nsamples="null", enable_fused="true")
-    text = p.to_yaml()
-    back = YAML(typ="safe", pure=True).load(text)
-    assert back == dict(p)
-    assert back["run_num"] == "00" and back["img_size"] == [16, 32] and back["limit_nsamples"] is None
-    # types survive too (str "00" stays a str, floats stay floats)
-    assert all(type(back[k]) is type(p[k]) for k in p)
+def test_to_yaml_round_trip(name, tmp_path):
+    cfg = load_cfg(name, img_size="[16,32]", lr="1e-3", limit_nsamples="null", enable_fused="true", run_num="00")
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    back = load_config(path, name)  # the saved config is itself a loadable named config
+    assert back.flat() == cfg.flat()
+    assert back.logging.run_num == "00" and back.data.img_size == (16, 32) and back.data.limit_nsamples is None
+    raw = YAML(typ="safe", pure=True).load(path.read_text())[name]
+    assert raw == cfg.flat()
 
 
 # ---------------------------------------------------------------- batch_sizes and lr_lambda
@@ -319,29 +334,28 @@ def trainer_mod():
     ({"local_batch_size": "5"}, 3, (5, 15)),  # local wins, even where global would not divide
     ({"local_batch_size": "3", "grad_accum_steps": "2"}, 2, (3, 12)),
 ])
-def test_batch_sizes(trainer_mod, overrides, dp, want):
-    p = load(**overrides)
-    local, glob = trainer_mod.batch_sizes(p, dp)
+def test_batch_sizes(overrides, dp, want):
+    optim = load_cfg(**overrides).optim
+    local, glob = batch_sizes(optim, dp)
     assert (local, glob) == want
-    assert glob == local * dp * p.grad_accum_steps
+    assert glob == local * dp * optim.grad_accum_steps
 
 
 @pytest.mark.parametrize("overrides,dp", [({}, 3), ({}, 32), ({"grad_accum_steps": "3"}, 1),
                                           ({"grad_accum_steps": "4"}, 8)])
-def test_batch_sizes_not_divisible(trainer_mod, overrides, dp):
+def test_batch_sizes_not_divisible(overrides, dp):
     with pytest.raises(UserError, match="not divisible") as exc:
-        trainer_mod.batch_sizes(load(**overrides), dp)
+        batch_sizes(load_cfg(**overrides).optim, dp)
     assert "--local_batch_size" in str(exc.value)
 
 
-def test_batch_sizes_rejects_zero_accumulation(trainer_mod):
+def test_batch_sizes_rejects_zero_accumulation():
     with pytest.raises(UserError, match="grad_accum_steps must be >= 1"):
-        trainer_mod.batch_sizes(load(grad_accum_steps="0"), 1)
+        load_cfg(grad_accum_steps="0")
 
 
 def test_lr_warmup_then_cosine(trainer_mod):
-    p = load(warmup="10", num_iters="110", lr_schedule="cosine")
-    f = trainer_mod.lr_lambda(p)
+    f = trainer_mod.lr_lambda(load_cfg(warmup="10", num_iters="110", lr_schedule="cosine").optim)
     # linear warmup reaching 1 at the end of warmup
     assert [f(s) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
     assert f(10) == pytest.approx(1.0)
@@ -355,20 +369,20 @@ def test_lr_warmup_then_cosine(trainer_mod):
 
 
 def test_lr_cosine_without_warmup(trainer_mod):
-    f = trainer_mod.lr_lambda(load(num_iters="100"))
+    f = trainer_mod.lr_lambda(load_cfg(num_iters="100").optim)
     assert f(0) == pytest.approx(1.0)
     assert f(50) == pytest.approx(0.5)
     assert f(100) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_lr_constant(trainer_mod):
-    f = trainer_mod.lr_lambda(load(lr_schedule="constant", warmup="4", num_iters="100"))
+    f = trainer_mod.lr_lambda(load_cfg(lr_schedule="constant", warmup="4", num_iters="100").optim)
     assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
     assert all(f(s) == 1.0 for s in (4, 50, 99, 100, 1000))
 
 
 def test_lr_lambda_drives_lambda_lr(trainer_mod):
-    p = load(warmup="2", num_iters="10", lr="1e-2")
+    p = load_cfg(warmup="2", num_iters="10", lr="1e-2").optim
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, trainer_mod.lr_lambda(p))
     lrs = []
@@ -378,3 +392,142 @@ def test_lr_lambda_drives_lambda_lr(trainer_mod):
         sched.step()
     assert lrs[0] == pytest.approx(5e-3) and lrs[1] == pytest.approx(1e-2)
     assert lrs[-1] < 1e-3 * 0.5
+
+
+# ---------------------------------------------------------------- the schema decides types, not the YAML
+def _yaml(tmp_path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_types_come_from_the_schema_not_the_yaml_spelling(tmp_path):
+    path = _yaml(tmp_path, "a:\n  max_grad_norm: 1\n  lr: 1\n  run_num: 7\n  img_size: [16, 32]\n")
+    cfg = load_config(path, "a", {"max_grad_norm": "0.5"})  # was 'expects int' when types came from YAML
+    assert cfg.optim.max_grad_norm == 0.5 and type(cfg.optim.lr) is float and cfg.optim.lr == 1.0
+    assert cfg.logging.run_num == "7" and cfg.data.img_size == (16, 32)
+    assert type(load_config(path, "a").optim.max_grad_norm) is float
+
+
+def test_keys_left_out_of_the_yaml_take_the_schema_default(tmp_path):
+    cfg = load_config(_yaml(tmp_path, "a:\n  depth: 3\n"), "a")
+    assert cfg.model.depth == 3 and cfg.model.embed_dim == 384 and cfg.parallel.rendezvous_timeout == 300.0
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("a:\n  lr: fast\n", r"c.yaml, config a: lr expects a number \(FLOAT\), got 'fast'"),
+    ("a:\n  depth: true\n", r"config a: depth expects an integer"),
+    ("a:\n  img_size: 64\n", r"config a: img_size expects a list like"),
+    ("a:\n  amp_mode: fp8\n", r"config a: amp_mode must be one of none, fp16, bf16"),
+    ("a:\n  depht: 3\n", r"config a: unknown config key depht; did you mean depth"),
+    ("a:\n  depth: 0\n", r"--depth must be >= 1, got 0"),
+    # a key repeated inside a config that also uses a merge key: YAML would keep the last silently
+    ("b: &b\n  depth: 2\na:\n  <<: *b\n  lr: 1.0e-3\n  lr: 2.0e-3\n", r"line 6: key 'lr' repeats the one on line 5"),
+])
+def test_bad_yaml_values_name_file_config_and_key(tmp_path, text, pattern):
+    with pytest.raises(UserError, match=pattern):
+        load_config(_yaml(tmp_path, text), "a")
+
+
+def test_every_named_config_has_its_own_one_line_description():
+    from ruamel.yaml import YAML as RoundTrip
+    raw = RoundTrip().load(YAML_PATH.read_text())  # round-trip keeps merge keys apart from own keys
+    for name, settings in raw.items():
+        own = dict(settings.non_merged_items())
+        assert own.get("description") and "\n" not in own["description"], name
+
+
+def test_option_given_twice_is_an_error():
+    with pytest.raises(UserError, match="--lr is given twice"):
+        parse_overrides(["--lr", "1", "--lr=2"])
+
+
+# ---------------------------------------------------------------- cross-field validation
+@pytest.mark.parametrize("overrides,launch,pattern", [
+    ({"img_size": "[30,64]", "patch_size": "4"}, Launch(), r"img_size \[30,64\] is not a multiple of patch_size 4"),
+    ({"num_heads": "5"}, Launch(), "embed_dim 384 is not divisible by num_heads 5"),
+    ({"n_out_channels": "3"}, Launch(), "n_out_channels 3 must equal n_in_channels 20"),
+    ({"tensor_parallel": "2"}, Launch(world_size=3), "world size 3 is not divisible by tensor_parallel"),
+    ({"global_batch_size": "10"}, Launch(world_size=4), "global_batch_size 10 is not divisible"),
+    ({"attention_backend": "cudnn", "amp_mode": "bf16"}, Launch(cuda=False), "needs a CUDA GPU"),
+    ({"attention_backend": "cudnn"}, Launch(cuda=True), "runs only in bf16/fp16, but --amp_mode is none"),
+    ({"attention_backend": "flash"}, Launch(cuda=True), "runs only in bf16/fp16"),
+    ({"compile_mode": "max-autotune"}, Launch(), "has no effect without --enable_jit"),
+    ({"fsdp_cpu_offload": "true"}, Launch(world_size=2), "needs FSDP over more than one data-parallel rank"),
+    ({"fsdp_cpu_offload": "true", "fsdp": "zero3"}, Launch(world_size=1), "needs FSDP over more than one"),
+    ({"fsdp_cpu_offload": "true", "fsdp": "zero3"}, Launch(world_size=2), "no GPU is visible"),
+    ({"fsdp_cpu_offload": "true", "fsdp": "zero3", "tensor_parallel": "2"}, Launch(world_size=4, cuda=True),
+     "not supported with tensor or context parallelism"),
+    ({"fsdp_cpu_offload": "true", "fsdp": "zero3", "amp_mode": "fp16"}, Launch(world_size=2, cuda=True),
+     "use --amp_mode bf16"),
+    ({"fsdp": "hsdp", "hsdp_shard_size": "3"}, Launch(world_size=4), "--hsdp_shard_size 3 must divide"),
+    ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(), "--ac_blocks 13 exceeds the model depth 12"),
+    ({"run_num": "a/b"}, Launch(), "must be a plain name"),
+])
+def test_cross_field_checks(overrides, launch, pattern):
+    with pytest.raises(UserError, match=pattern):
+        validate(load_cfg(**overrides), launch)
+
+
+def test_valid_settings_pass_validation(tmp_path):
+    validate(load_cfg("tiny", expdir=str(tmp_path / "new" / "dir")), Launch())
+    validate(load_cfg("short_opt", expdir=str(tmp_path)), Launch(world_size=1, cuda=True))
+    validate(load_cfg("mp", fsdp="zero3", fsdp_cpu_offload="true", expdir=str(tmp_path)),
+             Launch(world_size=2, cuda=True))
+
+
+def test_expdir_that_is_a_file_or_read_only_is_rejected(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="is a file, not a directory"):
+        validate(load_cfg("tiny", expdir=str(blocker / "runs")), Launch())
+
+
+# ---------------------------------------------------------------- help, config list, README
+def test_help_lists_every_key_by_section_within_80_columns():
+    text = full_help()
+    assert all(len(line) <= 80 for line in text.splitlines()), [line for line in text.splitlines() if len(line) > 80]
+    for title in ("model:", "data:", "optimization:", "precision and speed:", "parallelism:", "checkpointing:",
+                  "logging and profiling:", "evaluation:"):
+        assert f"\n{title}\n" in text
+    for name, spec in KEYS.items():
+        assert f"--{name} " in text, name
+    assert "--amp_mode {none,fp16,bf16}  (default none)" in text
+    assert "--local_batch_size INT or null  (default null)" in text
+
+
+def test_help_for_one_key():
+    text = key_help("local_batch_size")
+    assert text.splitlines()[0] == "--local_batch_size INT or null"
+    assert "section: optimization" in text and "default: null" in text and "allowed: >= 1" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "set by named configs:" in key_help("attention_backend") and "short_opt cudnn" in key_help("attention_backend")
+    with pytest.raises(UserError, match="did you mean local_batch_size"):
+        key_help("local_batch")
+
+
+def test_cli_actions_return_none_after_printing(capsys):
+    assert cli_config(["--help"], "tiny") is None
+    assert "usage: python train.py" in capsys.readouterr().out
+    assert cli_config(["--help", "lr"], "tiny") is None
+    assert capsys.readouterr().out.startswith("--lr FLOAT")
+    assert cli_config(["--list-configs"], "tiny") is None
+    listing = capsys.readouterr().out.splitlines()
+    assert len(listing) == 16 and listing[0].startswith("base ") and all(len(line) <= 80 for line in listing)
+    assert cli_config(["--config", "tiny", "--lr", "3e-3", "--print-config"], "tiny") is None
+    printed = YAML(typ="safe", pure=True).load(capsys.readouterr().out)
+    assert printed["tiny"]["lr"] == 3e-3 and printed["tiny"]["depth"] == 2
+    cfg = cli_config(["--config", "short", "--depth", "3"], "tiny")
+    assert cfg.name == "short" and cfg.model.depth == 3
+
+
+def test_config_list_names_every_config():
+    names = [line.split()[0] for line in config_list(YAML_PATH).splitlines()]
+    assert names == NAMES
+
+
+def test_readme_flag_table_is_generated_from_the_schema():
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- flags:start -->\n(.*?)\n<!-- flags:end -->", readme, re.S)
+    assert block, "README.md lacks the generated flag table markers"
+    assert block.group(1) == markdown_flags(), "README flag table is stale: run python -m utils.config --update-readme"

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("nvidia.dali")
 
-from utils.config import load_params  # noqa: E402
+from utils.config import load_config  # noqa: E402
 from utils.data_loader import build_data  # noqa: E402
 from utils.dali_loader import DRAIN_LIMIT  # noqa: E402
 from utils.errors import UserError  # noqa: E402
@@ -30,8 +30,8 @@ def make_data(path, loader: str, dp_rank: int = 0, dp_size: int = 1, **overrides
     ov = {"data_path": str(path), "data_loader_config": loader,
           "num_data_workers": "2" if loader == "dali" else "0"}
     ov.update({k: str(v) for k, v in overrides.items()})
-    params = load_params(REPO / "config" / "ViT.yaml", "tiny", ov)
-    return build_data(params, BATCH, dp_rank, dp_size, CPU)
+    cfg = load_config(REPO / "config" / "ViT.yaml", "tiny", ov)
+    return build_data(cfg.data, BATCH, dp_rank, dp_size, CPU, seed=cfg.optim.seed)
 
 
 def epoch_batches(batches, epoch: int | None = None, limit: int | None = None) -> list:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import os
+import re
 from pathlib import Path
 
 import h5py
@@ -9,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils.config import load_params
-from utils.data_loader import ERA5Dataset, build_data
+from utils.config import load_config
+from utils.data_loader import Data, ERA5Dataset, Stats, build_data, equiangular_latitudes, read_metadata
 from utils.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +66,19 @@ def make_layout(root: Path, train_lengths=TRAIN_LENGTHS, valid_lengths=VALID_LEN
     return files, write_stats(root)
 
 
+def corrupt_chunk(path: Path, t: int) -> None:
+    """Rewrite ``fields`` of ``path`` with checksummed chunks, then damage the chunk of time step
+    ``t``: the file still opens and inspects fine, but reading step ``t`` raises OSError."""
+    with h5py.File(path, "r+") as f:
+        fields = f["fields"][:]
+        del f["fields"]
+        ds = f.create_dataset("fields", data=fields, chunks=(1, *fields.shape[1:]), fletcher32=True)
+        offset = ds.id.get_chunk_info_by_coord((t, 0, 0, 0)).byte_offset
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * 16)
+
+
 def expected_pairs(fields_list, dt):
     """Reference list of (file number, t) for each global sample index."""
     return [(f, t) for f, fields in enumerate(fields_list) for t in range(fields.shape[0] - dt)]
@@ -72,10 +88,12 @@ def crop(a):
     return a[..., :IMG[0], :IMG[1]]
 
 
-def params_for(root: Path, **overrides):
+def build(root: Path, batch_size: int = 1, dp_rank: int = 0, dp_size: int = 1, **overrides) -> Data:
+    """``build_data`` for the `tiny` config on ``root`` with config ``overrides`` (as on the command line)."""
     ov = {"data_path": str(root), "num_data_workers": "0"}
     ov.update({k: str(v) for k, v in overrides.items()})
-    return load_params(REPO / "config" / "ViT.yaml", "tiny", ov)
+    cfg = load_config(REPO / "config" / "ViT.yaml", "tiny", ov)
+    return build_data(cfg.data, batch_size, dp_rank, dp_size, CPU, seed=cfg.optim.seed)
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +150,13 @@ def test_dataset_describe(layout):
 # ---------------------------------------------------------------- build_data
 def test_build_data_valid_batches_are_normalized_pairs(layout):
     root, files, (mean, std, clim) = layout
-    data = build_data(params_for(root), 2, 0, 1, CPU)
+    data = build(root, 2)
     assert data.channel_names == [f"var{i}" for i in range(C)]
     np.testing.assert_allclose(data.latitude, np.linspace(89.0, -89.0, GRID[0])[:IMG[0]])
     np.testing.assert_array_equal(data.stats.mean.numpy(), mean)
     np.testing.assert_array_equal(data.stats.std.numpy(), std)
     np.testing.assert_allclose(data.stats.clim.numpy(), (crop(clim) - mean) / std, rtol=1e-5, atol=1e-5)
-    assert data.train_samples == 6 and data.train_dataset is not None
+    assert data.train_samples == 6 and data.train_dataset is not None and data.valid_dataset is not None
 
     pairs = expected_pairs(files["valid"], 1)
     seen = []
@@ -156,7 +174,7 @@ def test_build_data_valid_batches_are_normalized_pairs(layout):
 
 def test_build_data_train_batches_are_normalized_pairs(layout):
     root, files, (mean, std, _) = layout
-    data = build_data(params_for(root, dt=2), 2, 0, 1, CPU)
+    data = build(root, 2, dt=2)
     pairs = expected_pairs(files["train"], 2)
     n = 0
     for inp, tar, idx in data.train:
@@ -179,10 +197,9 @@ def epoch_indices(batches, epoch):
 @pytest.mark.parametrize("batch_size,per_rank", [(1, 3), (2, 2)])
 def test_train_shards_are_disjoint_across_ranks(layout, batch_size, per_rank):
     root, _, _ = layout
-    params = params_for(root)
     shards = []
     for rank in range(2):
-        data = build_data(params, batch_size, rank, 2, CPU)
+        data = build(root, batch_size, rank, 2)
         assert len(data.train) == 3 // batch_size
         shards.append(epoch_indices(data.train, 0))
         assert data.train_samples == (6 // 2 // batch_size) * batch_size * 2
@@ -192,22 +209,22 @@ def test_train_shards_are_disjoint_across_ranks(layout, batch_size, per_rank):
     if batch_size == 1:
         assert sorted(a + b) == list(range(6))  # every sample covered once per epoch
     # validation is sharded as well: disjoint, equal shares (the sampler drops the odd sample out)
-    v = [epoch_indices(build_data(params, 1, r, 2, CPU).valid, 0) for r in range(2)]
+    v = [epoch_indices(build(root, 1, r, 2).valid, 0) for r in range(2)]
     assert not set(v[0]) & set(v[1])
     assert len(v[0]) == len(v[1]) == 1 and set(v[0] + v[1]) <= {0, 1, 2}
 
 
 def test_set_epoch_changes_the_order(layout):
     root, _, _ = layout
-    data = build_data(params_for(root), 1, 0, 1, CPU)
+    data = build(root)
     orders = [epoch_indices(data.train, e) for e in range(4)]
     assert all(sorted(o) == list(range(6)) for o in orders)
     assert len({tuple(o) for o in orders}) > 1
     assert epoch_indices(data.train, 2) == orders[2]  # same epoch, same order
     # same seed in a fresh build: same order; a different seed: a different one (for some epoch)
-    again = build_data(params_for(root), 1, 0, 1, CPU)
+    again = build(root)
     assert epoch_indices(again.train, 3) == orders[3]
-    other = build_data(params_for(root, seed=123), 1, 0, 1, CPU)
+    other = build(root, seed=123)
     assert [epoch_indices(other.train, e) for e in range(4)] != orders
 
 
@@ -215,7 +232,7 @@ def test_workers_give_the_same_batches(layout):
     root, _, _ = layout
     got = {}
     for workers in (0, 2):
-        data = build_data(params_for(root, num_data_workers=workers), 2, 0, 1, CPU)
+        data = build(root, 2, num_data_workers=workers)
         data.train.set_epoch(1)
         got[workers] = [(i.clone(), t.clone(), idx.clone()) for i, t, idx in data.train]
         del data
@@ -227,8 +244,7 @@ def test_workers_give_the_same_batches(layout):
 
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_synthetic_loader_shapes(tmp_path, dp_size):
-    params = params_for(tmp_path / "nothing_here", data_loader_config="synthetic", limit_nsamples=64)
-    data = build_data(params, 4, 0, dp_size, CPU)
+    data = build(tmp_path / "nothing_here", 4, 0, dp_size, data_loader_config="synthetic", limit_nsamples=64)
     steps = 64 // (4 * dp_size)
     assert len(data.train) == steps
     batches = list(data.train)
@@ -243,14 +259,10 @@ def test_synthetic_loader_shapes(tmp_path, dp_size):
     assert data.channel_names == [f"c{i}" for i in range(C)]
     assert data.latitude.shape == (IMG[0],) and data.latitude[0] == 90.0 and data.latitude[-1] == -90.0
     assert data.stats.clim.shape == (1, C, *IMG)
-    assert data.find_nonfinite([0, 1]) == []  # nothing to look up in synthetic data
+    assert data.find_nonfinite([0, 1]) == data.find_nonfinite([0, 1], "valid") == []  # nothing to look up
 
 
 # ---------------------------------------------------------------- bad input
-def build(root, **overrides):
-    return build_data(params_for(root, **overrides), 1, 0, 1, CPU)
-
-
 def test_missing_data_path(tmp_path):
     with pytest.raises(UserError, match="does not exist") as exc:
         build(tmp_path / "missing")
@@ -313,7 +325,7 @@ def test_too_few_time_steps_for_dt(tmp_path):
 def test_fewer_samples_than_one_batch(tmp_path):
     make_layout(tmp_path)
     with pytest.raises(UserError, match="fewer than one global batch"):
-        build_data(params_for(tmp_path), 4, 0, 2, CPU)
+        build(tmp_path, 4, 0, 2)
 
 
 @pytest.mark.parametrize("name", ["global_means", "global_stds", "time_means"])
@@ -346,19 +358,140 @@ def test_non_positive_stds(tmp_path):
         build(tmp_path)
 
 
+def npy_bytes(array: np.ndarray, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, **kwargs)
+    return buf.getvalue()
+
+
+def npz_bytes() -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, global_means=np.ones((1, C, 1, 1), np.float32))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name,content,problem", [
+    ("global_means", b"", "cannot read"),
+    ("global_stds", npy_bytes(np.ones((1, C, 1, 1), np.float32))[:-4], "not fully written"),  # truncated
+    ("time_means", b"mean values", "cannot read"),
+    ("global_means", npz_bytes(), "magic string is not correct"),
+    ("global_stds", npy_bytes(np.array([{}], object), allow_pickle=True), "Object arrays cannot be loaded"),
+    ("global_means", npy_bytes(np.array(list("abcd")).reshape(1, C, 1, 1)), "holds <U1 values, not numbers"),
+])
+def test_unreadable_stats_file(tmp_path, name, content, problem):
+    write_stats(tmp_path)
+    path = tmp_path / "stats" / f"{name}.npy"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=re.escape(str(path))) as exc:
+        Stats.load(tmp_path / "stats", C, IMG, CPU)
+    message = str(exc.value)
+    assert problem in message and "recompute the statistics" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name,bad", [("global_stds", np.nan), ("global_stds", np.inf), ("global_means", np.nan),
+                                      ("time_means", -np.inf)])
+def test_nonfinite_stats(tmp_path, name, bad):
+    """Caught at start-up: a NaN std would otherwise show up as a diverging loss."""
+    mean, std, clim = write_stats(tmp_path)
+    arr = {"global_means": mean, "global_stds": std, "time_means": clim}[name]
+    arr.flat[2] = bad
+    np.save(tmp_path / "stats" / f"{name}.npy", arr)
+    first = tuple(int(i) for i in np.unravel_index(2, arr.shape))
+    with pytest.raises(UserError, match=re.escape(f"{name}.npy holds 1 NaN/Inf value(s), first at index {first}")):
+        Stats.load(tmp_path / "stats", C, IMG, CPU)
+
+
+# ---------------------------------------------------------------- metadata
+def one_file(tmp_path: Path, **attrs) -> Path:
+    """A field file without ``latitude``; ``attrs`` set on ``fields``."""
+    path = tmp_path / "2000.h5"
+    write_file(path, 0, 2, lat=False)
+    with h5py.File(path, "r+") as f:
+        f["fields"].attrs.update(attrs)
+    return path
+
+
+@pytest.mark.parametrize("names", ["abcd", [1, 2, 3, 4], ["x", "y"]])
+def test_metadata_falls_back_to_generic_names(tmp_path, names):
+    """Channel names only label logs: unusable ones give c0.. (a string of C letters is not C names)."""
+    got, lat = read_metadata(one_file(tmp_path, channel_names=names), C, IMG[0])
+    assert got == [f"c{i}" for i in range(C)]
+    np.testing.assert_array_equal(lat, equiangular_latitudes(IMG[0]))  # no latitude dataset
+
+
+@pytest.mark.parametrize("lat,problem", [
+    (np.zeros((GRID[0], 2)), r"must be a 1-D numeric array of at least 32 values .* float64 of shape \(34, 2\)"),
+    (np.linspace(80.0, -80.0, IMG[0] - 1), r"at least 32 values .* shape \(31,\)"),
+    (np.array([b"N"] * GRID[0]), r"must be a 1-D numeric array"),
+    (np.where(np.arange(GRID[0]) == 3, np.nan, np.linspace(89.0, -89.0, GRID[0])), r"holds 1 NaN/Inf value"),
+    (np.linspace(0.0, 180.0, GRID[0]), r"runs from 0 to 180, outside \[-90, 90\] degrees"),
+])
+def test_bad_latitude(tmp_path, lat, problem):
+    path = one_file(tmp_path)
+    with h5py.File(path, "r+") as f:
+        f["latitude"] = lat
+    with pytest.raises(UserError, match=problem) as exc:
+        read_metadata(path, C, IMG[0])
+    assert str(exc.value).startswith(f"{path}: 'latitude'") and "re-create the file" in str(exc.value)
+
+
+def test_metadata_of_unreadable_file(tmp_path):
+    path = tmp_path / "2000.h5"
+    path.write_text("not HDF5")
+    with pytest.raises(UserError, match=f"cannot read the metadata of {re.escape(str(path))} "):
+        read_metadata(path, C, IMG[0])
+
+
+# ---------------------------------------------------------------- damaged files while reading batches
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("damage,first_bad", [("chunk", 2), ("truncate", 0)])
+def test_unreadable_sample_is_a_one_line_error(tmp_path, workers, damage, first_bad):
+    """A file damaged after start-up: one line naming file and time, also when a worker read it
+    (DataLoader would re-raise a worker's exception with its traceback in the message)."""
+    make_layout(tmp_path)
+    path = tmp_path / "valid" / "2005.h5"
+    if damage == "chunk":
+        corrupt_chunk(path, first_bad)
+    data = build(tmp_path, 2, num_data_workers=workers)
+    if damage == "truncate":  # after build_data, which rejects a file HDF5 cannot open
+        os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(UserError, match=f"^cannot read time {first_bad} of {re.escape(str(path))} ") as exc:
+        list(data.valid)
+    assert "\n" not in str(exc.value)
+
+
+# ---------------------------------------------------------------- validation split size
+@pytest.mark.parametrize("valid_lengths,overrides,fix", [
+    ((2,), {}, "; add validation files"),
+    (VALID_LENGTHS, {"limit_nsamples_val": 1}, "raise --limit_nsamples_val or add validation files"),
+])
+def test_validation_split_smaller_than_ranks(tmp_path, valid_lengths, overrides, fix):
+    """The sampler drops the tail, so one sample for two ranks would leave a rank nothing to validate."""
+    make_layout(tmp_path, valid_lengths=valid_lengths)
+    with pytest.raises(UserError, match=r"validation split .*valid has 1 sample\(s\) for 2 data-parallel ranks") as exc:
+        build(tmp_path, 1, 0, 2, **overrides)
+    assert fix in str(exc.value) and "at most 1 data-parallel rank" in str(exc.value)
+
+
 # ---------------------------------------------------------------- find_nonfinite
 def test_find_nonfinite_names_file_and_time(tmp_path):
     make_layout(tmp_path)
     with h5py.File(tmp_path / "train" / "2001.h5", "r+") as f:
         f["fields"][1, 2, 5, 7] = np.nan
         f["fields"][2, 0, IMG[0] + 1, 0] = np.inf  # outside the crop: never read, so harmless
+    with h5py.File(tmp_path / "valid" / "2005.h5", "r+") as f:
+        f["fields"][3, 1, 0, 0] = -np.inf
     data = build(tmp_path)
     assert data.find_nonfinite(range(6)) == ["train/2001.h5 time 0 -> 1", "train/2001.h5 time 1 -> 2"]
     assert data.find_nonfinite([0, 1, 2, 3]) == []
-    assert data.find_nonfinite([5]) == ["train/2001.h5 time 1 -> 2"]
-    # the NaN does reach the batches that contain those samples
-    hit = [bool(torch.isnan(torch.cat([i, t])).any()) for i, t, _ in data.valid]
-    assert not any(hit)
+    assert data.find_nonfinite([5], split="train") == ["train/2001.h5 time 1 -> 2"]
+    assert data.find_nonfinite(range(3), split="valid") == ["valid/2005.h5 time 2 -> 3"]
+    assert data.find_nonfinite([0, 1], split="valid") == []
+    with pytest.raises(ValueError, match="split"):
+        data.find_nonfinite([0], split="test")
+    # the NaN/Inf does reach the batches that contain those samples, and only those
+    for inp, tar, idx in data.valid:
+        assert bool((~torch.isfinite(torch.cat([inp, tar]))).any()) == (idx.item() == 2)
     data.train.set_epoch(0)
     for inp, tar, idx in data.train:
         has_nan = bool(torch.isnan(inp).any() or torch.isnan(tar).any())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.env import detect_launch, first_slurm_host, hsdp_split, parallel_sizes
+from distributed.env import detect_launch, first_slurm_host, hsdp_split
 from utils.errors import UserError
 
 
@@ -46,18 +46,17 @@ def test_single_process_without_launcher():
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "local rank 1 for rank 0"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "MASTER_ADDR"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a1", "SLURM_JOB_ID": "x"},
+     "SLURM_JOB_ID='x' is not an integer"),
 ])
 def test_inconsistent_launcher_variables_are_clear_errors(environ, match):
     with pytest.raises(UserError, match=match):
         detect_launch(environ)
 
 
-def test_parallel_and_hsdp_sizes():
-    assert parallel_sizes(8, 2, 1) == 4
-    with pytest.raises(UserError, match="world size 6 is not divisible by tensor_parallel x context_parallel"):
-        parallel_sizes(6, 4, 1)
-    with pytest.raises(UserError, match=">= 1"):
-        parallel_sizes(4, 0, 1)
+def test_hsdp_sizes():
     assert hsdp_split(8, 4) == (2, 4)
     with pytest.raises(UserError, match="hsdp shard size 3 must divide"):
         hsdp_split(8, 3)

@@ -55,16 +55,6 @@ def test_activation_checkpointing_wraps_the_chosen_blocks(mode, every, blocks, w
     assert got == want
 
 
-def test_ac_blocks_beyond_depth_is_a_clear_error():
-    from distributed.parallelize import apply_activation_checkpointing
-    from networks.vit import VisionTransformer
-    from utils.errors import UserError
-    model = VisionTransformer(img_size=(8, 8), patch_size=4, in_chans=2, out_chans=2, embed_dim=8, depth=2,
-                              num_heads=2)
-    with pytest.raises(UserError, match="--ac_blocks 3 exceeds the model depth 2"):
-        apply_activation_checkpointing(model, "selective", 2, 3)
-
-
 def test_zero3_with_activation_checkpointing_and_accumulation(tiny_data, tmp_path, single):
     sharded = _distributed(tiny_data, tmp_path, 2, fsdp="zero3", activation_checkpointing="full",
                            grad_accum_steps=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.config import load_params
+from utils.config import load_config
 from utils.data_loader import build_data
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -13,9 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_prefetcher_yields_the_cpu_batches_in_order_across_partial_epochs(tiny_data, workers):
-    params = load_params("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "num_data_workers": str(workers)})
-    cpu = build_data(params, 8, 0, 1, torch.device("cpu"))
-    gpu = build_data(params, 8, 0, 1, torch.device("cuda"))
+    cfg = load_config("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "num_data_workers": str(workers)})
+    cpu = build_data(cfg.data, 8, 0, 1, torch.device("cpu"))
+    gpu = build_data(cfg.data, 8, 0, 1, torch.device("cuda"))
     for epoch, n_train in ((0, 3), (1, None)):  # epoch 0 abandoned after 3 batches, then validation
         for data in (cpu, gpu):
             data.train.set_epoch(epoch)
@@ -36,9 +36,9 @@ def test_dali_gpu_pipeline_equals_native_cpu_batches(tiny_data):
     """DALI with GPU normalization (device_id set) against the native loader on the CPU, two epochs."""
     pytest.importorskip("nvidia.dali")
     overrides = {"data_path": str(tiny_data), "data_loader_config": "dali", "num_data_workers": "2"}
-    params = load_params("config/ViT.yaml", "tiny", overrides)
-    dali = build_data(params, 8, 0, 1, torch.device("cuda"))
-    native = build_data(load_params("config/ViT.yaml", "tiny", {"data_path": str(tiny_data)}),
+    cfg = load_config("config/ViT.yaml", "tiny", overrides)
+    dali = build_data(cfg.data, 8, 0, 1, torch.device("cuda"))
+    native = build_data(load_config("config/ViT.yaml", "tiny", {"data_path": str(tiny_data)}).data,
                         8, 0, 1, torch.device("cpu"))
     try:
         for epoch in (0, 1):

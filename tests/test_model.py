@@ -156,9 +156,10 @@ def test_init_weights_is_reproducible_with_a_seed():
 
 
 def test_build_model_reads_config_keys():
-    params = {"img_size": [12, 20], "patch_size": 4, "n_in_channels": 3, "n_out_channels": 5,
-              "embed_dim": 24, "depth": 3, "num_heads": 2, "mlp_ratio": 3.0}
-    model = build_model(params)
+    from utils.schema import DataConfig, ModelConfig
+
+    model = build_model(ModelConfig(patch_size=4, embed_dim=24, depth=3, num_heads=2, mlp_ratio=3.0),
+                        DataConfig(img_size=(12, 20), n_in_channels=3, n_out_channels=5))
     assert model.img_size == (12, 20)
     assert model.patch_size == 4
     assert model.out_chans == 5
@@ -172,13 +173,13 @@ def test_build_model_reads_config_keys():
 
 
 def test_build_model_from_yaml_config():
-    from utils.config import load_params
+    from utils.config import load_config
 
-    params = load_params("config/ViT.yaml", "tiny")
-    model = build_model(params)
-    assert model.img_size == tuple(params.img_size) == (32, 64)
-    assert len(model.blocks) == params.depth
-    assert model.patch_embed.proj.out_channels == params.embed_dim
+    cfg = load_config("config/ViT.yaml", "tiny")
+    model = build_model(cfg.model, cfg.data)
+    assert model.img_size == cfg.data.img_size == (32, 64)
+    assert len(model.blocks) == cfg.model.depth
+    assert model.patch_embed.proj.out_channels == cfg.model.embed_dim
 
 
 def test_bf16_autocast_cpu_close_to_fp32():

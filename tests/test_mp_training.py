@@ -38,16 +38,16 @@ def test_model_parallel_training_matches_single_process(tiny_data, tmp_path, sin
     assert_state_close(state, torch.load(run_dir / "checkpoints" / "model.pt")["model"], atol=1e-5)
     # reported losses are averaged over data-parallel ranks only, never summed over tp/cp peers
     got = last_metrics(run_dir)
-    assert got["train_loss"] == pytest.approx(metrics["train_loss"], rel=1e-5)
+    assert got["loss/train"] == pytest.approx(metrics["loss/train"], rel=1e-5)
     if world_size == overrides.get("tensor_parallel", 1) * overrides.get("context_parallel", 1):
         # one data-parallel rank sees every validation sample (dp > 1 keeps equal shards: drops the remainder)
         assert got["valid_samples"] == metrics["valid_samples"]
-        assert got["valid_loss"] == pytest.approx(metrics["valid_loss"], rel=1e-5)
+        assert got["loss/valid"] == pytest.approx(metrics["loss/valid"], rel=1e-5)
 
 
 def test_world_size_not_divisible_by_tp_cp_is_a_clear_error():
-    from distributed.env import parallel_sizes
     from utils.errors import UserError
+    from utils.schema import ParallelConfig, data_parallel_size
     with pytest.raises(UserError, match="not divisible by tensor_parallel x context_parallel = 2 x 2"):
-        parallel_sizes(6, 2, 2)
-    assert parallel_sizes(8, 2, 2) == 2
+        data_parallel_size(6, ParallelConfig(tensor_parallel=2, context_parallel=2))
+    assert data_parallel_size(8, ParallelConfig(tensor_parallel=2, context_parallel=2)) == 2

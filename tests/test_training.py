@@ -1,10 +1,8 @@
-"""End-to-end training on CPU: the tiny run learns, logs, checkpoints; bad input fails cleanly."""
+"""End-to-end training on CPU: the tiny run learns, logs and checkpoints; DDP, accumulation, compile and
+the NaN check agree with a single process."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -17,8 +15,6 @@ from networks.vit import build_model
 from tests.dist_utils import run_distributed
 from tests.train_utils import assert_state_close, tiny_params, train_checkpoint, train_on_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_tiny_run_learns_and_logs(tiny_data, tmp_path):
     params = tiny_params(tiny_data, tmp_path, num_iters=60, valid_every=1)
@@ -29,13 +25,13 @@ def test_tiny_run_learns_and_logs(tiny_data, tmp_path):
     assert (run_dir / "config.yaml").is_file()
     acc = EventAccumulator(str(run_dir)).Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("loss/train", "loss/valid", "RMSE(u10m)/valid", "ACC(t2m)/valid", "RMSE(u10m)/persistence",
+    for tag in ("loss/train", "loss/valid", "rmse/u10m", "acc/t2m", "rmse_persistence/u10m",
                 "lr", "perf/samples_per_s", "memory/peak_rss"):
         assert tag in tags, tag
     valid = [e.value for e in acc.Scalars("loss/valid")]
     assert len(valid) >= 3 and valid[-1] < 0.7 * valid[0], valid
     assert any(t.startswith("prediction(") for t in acc.Tags()["images"])
-    model = build_model(params)
+    model = build_model(params.model, params.data)
     model.load_state_dict(sd)  # the checkpoint is the plain single-device layout
 
 
@@ -91,65 +87,7 @@ def test_nan_in_data_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
     assert sum(f"train/{name} time" in r for r in reports) >= 1, reports
 
 
-# ---------------------------------------------------------------- bad input through the CLI
-def _cli(*args, cwd=ROOT):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def _assert_clean_error(proc, *needles):
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    err = proc.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    for needle in needles:
-        assert needle in err, err
-
-
 def _copy_data(src: Path, dst: Path) -> Path:
     import shutil
     shutil.copytree(src, dst)
     return dst
-
-
-@pytest.mark.parametrize("args,needles", [
-    (["--lrr", "1e-3"], ["unknown config key --lrr", "did you mean lr"]),
-    (["--num_iters", "many"], ["--num_iters expects int"]),
-    (["--config", "tinyy"], ["did you mean tiny"]),
-    (["--data_path", "/nonexistent/era5"], ["/nonexistent/era5/train does not exist", "--data_path"]),
-])
-def test_cli_config_and_path_errors(tmp_path, args, needles):
-    _assert_clean_error(_cli("--expdir", str(tmp_path), *args), *needles)
-
-
-def test_cli_data_errors(tiny_data, tmp_path):
-    base = ["--expdir", str(tmp_path / "runs")]
-    _assert_clean_error(_cli(*base, "--data_path", str(tiny_data), "--img_size", "[64,64]"),
-                        "larger than the 32x64 grid")
-    _assert_clean_error(_cli(*base, "--data_path", str(tiny_data), "--n_in_channels", "5", "--n_out_channels", "5"),
-                        "has 4 channels", "--n_in_channels 4")
-    bad = _copy_data(tiny_data, tmp_path / "nofields")
-    first = sorted((bad / "train").glob("*.h5"))[0]
-    with h5py.File(first, "r+") as f:
-        f.move("fields", "data")
-    _assert_clean_error(_cli(*base, "--data_path", str(bad)), "has no 'fields' dataset")
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    _assert_clean_error(_cli("--expdir", str(blocker / "sub"), "--data_path", str(tiny_data)),
-                        "cannot write to run directory")
-
-
-def test_cli_nan_in_data_names_step_and_file(tiny_data, tmp_path):
-    bad = _copy_data(tiny_data, tmp_path / "nan")
-    files = sorted((bad / "train").glob("*.h5"))
-    with h5py.File(files[1], "r+") as f:
-        f["fields"][3, 0, 5, 5] = np.nan
-    proc = _cli("--expdir", str(tmp_path / "runs"), "--data_path", str(bad), "--num_iters", "40")
-    _assert_clean_error(proc, "NaN/Inf in the training data at step", f"train/{files[1].name} time")
-
-
-def test_cli_nan_loss_is_reported(tiny_data, tmp_path):
-    proc = _cli("--expdir", str(tmp_path / "runs"), "--data_path", str(tiny_data), "--lr", "1e12",
-                "--num_iters", "40")
-    _assert_clean_error(proc, "loss became NaN/Inf at step", "--lr")

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from distributed.env import init_distributed
-from utils.config import load_params
+from utils.config import load_config
 from utils.trainer import Trainer
 
 
@@ -15,19 +15,19 @@ def tiny_params(data_path, expdir, **overrides):
     """The ``tiny`` config on ``data_path`` with string/typed overrides, writing under ``expdir``."""
     base = {"data_path": str(data_path), "expdir": str(expdir), "log_every": "1000"}
     base.update({k: str(v) for k, v in overrides.items()})
-    return load_params("config/ViT.yaml", "tiny", base)
+    return load_config("config/ViT.yaml", "tiny", base)
 
 
-def train_checkpoint(params) -> dict[str, torch.Tensor]:
-    """Train with ``params`` on the current world and return the saved full-layout state dict."""
+def train_checkpoint(cfg) -> dict[str, torch.Tensor]:
+    """Train with ``cfg`` on the current world and return the saved full-layout state dict."""
     torch.use_deterministic_algorithms(True)
-    world = init_distributed(params)
-    trainer = Trainer(params, world)
+    world = init_distributed(cfg.parallel)
+    trainer = Trainer(cfg, world)
     trainer.train()
-    path = Path(params.expdir) / params.config / f"{world.world_size}GPU" / str(params.run_num) / "checkpoints" / "model.pt"
+    trainer.close()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return torch.load(path, map_location="cpu")["model"]
+    return torch.load(trainer.run_dir / "checkpoints" / "model.pt", map_location="cpu")["model"]
 
 
 def train_on_ranks(rank: int, world_size: int, data_path: str, expdir: str, overrides: dict) -> None:
@@ -47,26 +47,27 @@ def checkpoint_round_trip(rank: int, world_size: int, data_path: str, expdir: st
     from distributed.checkpoint import load_sharded, save_full_model, save_sharded
     from networks.vit import build_model
 
-    params = tiny_params(data_path, expdir, **overrides)
-    world = init_distributed(params)
-    trained = Trainer(params, world)
+    cfg = tiny_params(data_path, expdir, **overrides)
+    world = init_distributed(cfg.parallel)
+    trained = Trainer(cfg, world)
     trained.train()
-    x = torch.randn(2, params.n_in_channels, *params.img_size, generator=torch.Generator().manual_seed(1))
+    trained.close()
+    x = torch.randn(2, cfg.data.n_in_channels, *cfg.data.img_size, generator=torch.Generator().manual_seed(1))
     trained.model.eval()
     with torch.no_grad():
         want = trained.model(x)
     save_sharded(trained.model, trained.optimizer, Path(expdir) / "dcp")
     save_full_model(trained.model, Path(expdir) / "full.pt")
 
-    params.seed = 123  # a differently initialized model must become identical after loading
-    fresh = Trainer(params, world)
+    cfg.optim.seed = 123  # a differently initialized model must become identical after loading
+    fresh = Trainer(cfg, world)
     load_sharded(fresh.model, fresh.optimizer, Path(expdir) / "dcp")
     fresh.model.eval()
     with torch.no_grad():
         got = fresh.model(x)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     torch.distributed.barrier()
-    plain = build_model(params)
+    plain = build_model(cfg.model, cfg.data)
     plain.load_state_dict(torch.load(Path(expdir) / "full.pt")["model"])  # no torch.distributed needed
     with torch.no_grad():
         torch.testing.assert_close(plain(x), want, atol=1e-5, rtol=0)

@@ -16,7 +16,6 @@ blocks of time steps, so inputs larger than memory convert too.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 
 from tools import era5_layout as layout
 from tools.era5_layout import InputNotFoundError, LayoutError
-from utils.errors import exit_status
+from utils.errors import ArgumentParser, exit_status
 
 LEVEL_DIMS = ("isobaricInhPa", "level", "pressure_level")
 LAT_NAMES = ("latitude", "lat")
@@ -80,11 +79,13 @@ def open_input(path: str | Path):
 
     Raises:
         InputNotFoundError: the file does not exist.
-        LayoutError: xarray cannot read it.
+        LayoutError: ``path`` is a folder, or xarray cannot read it.
     """
     import xarray as xr  # optional dependency (pip install .[data]); only the converter needs it
 
     path = Path(path)
+    if path.is_dir():
+        raise LayoutError(f"--input {path} is a folder; pass one netCDF file with --input")
     if not path.is_file():
         raise InputNotFoundError(f"input file {path} does not exist; pass the netCDF file with --input")
     try:
@@ -94,7 +95,7 @@ def open_input(path: str | Path):
     try:
         return xr.open_dataset(path)
     except Exception as exc:
-        raise LayoutError(f"cannot read {path} as netCDF ({type(exc).__name__}: {exc}); "
+        raise LayoutError(f"cannot read {path} as netCDF ({type(exc).__name__}: {layout.one_line(exc)}); "
                           "pass an ERA5 netCDF file with --input") from None
 
 
@@ -360,7 +361,11 @@ def make_plan(ds, variables: Sequence[str], levels: Sequence[float] | None = Non
 
 
 def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: int) -> np.ndarray:
-    """(stop - start, H, W) float32 of one channel, flipped and trimmed; raises on NaN/Inf."""
+    """(stop - start, H, W) float32 of one channel, flipped and trimmed.
+
+    Raises:
+        LayoutError: NaN/Inf values, or the data cannot be read (a damaged or truncated input).
+    """
     da = ds[ch.variable]
     index = dict(plan.select[ch.variable])
     if ch.level_dim is not None:
@@ -370,7 +375,13 @@ def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: 
         index[MEMBER_DIM] = f.member
     index[plan.dims["time"]] = slice(int(f.times[start]), int(f.times[stop - 1]) + 1)
     da = da.isel(index).transpose(plan.dims["time"], plan.dims["lat"], plan.dims["lon"])
-    block = np.asarray(da.values)[:, plan.lat_index][:, :, plan.lon_index].astype(np.float32)
+    try:
+        values = np.asarray(da.values)  # the read itself: the dataset is opened lazily
+    except OSError as exc:
+        raise LayoutError(f"cannot read variable '{ch.variable}' at {plan.times[f.times[start]]} .. "
+                          f"{plan.times[f.times[stop - 1]]} from {ds.encoding.get('source', 'the input')} "
+                          f"({layout.one_line(exc)}); the file is damaged or truncated: download it again") from None
+    block = values[:, plan.lat_index][:, :, plan.lon_index].astype(np.float32)
     bad = ~np.isfinite(block)
     if bad.any():
         t_bad = int(f.times[start + np.flatnonzero(bad.any(axis=(1, 2)))[0]])
@@ -493,10 +504,10 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser (flags mirror :func:`convert`)."""
-    p = argparse.ArgumentParser(prog="python -m tools.convert_era5",
-                                description="Convert ERA5-style netCDF to train/, valid/, stats/ HDF5 layout.")
+def build_parser() -> ArgumentParser:
+    """The CLI's argument parser (flags mirror :func:`convert`; usage errors are one ``error:`` line)."""
+    p = ArgumentParser(prog="python -m tools.convert_era5",
+                       description="Convert ERA5-style netCDF to train/, valid/, stats/ HDF5 layout.")
     p.add_argument("--input", required=True, help="netCDF file (CDS or WeatherBench2 style)")
     p.add_argument("--out", required=True, help="output dataset folder")
     p.add_argument("--variables", nargs="+", required=True, help="variables, e.g. t z t2m (channel order)")

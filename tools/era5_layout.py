@@ -55,6 +55,11 @@ class InputNotFoundError(UserError, FileNotFoundError):
     """An input file or folder the data tools need does not exist."""
 
 
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line, for error messages (library messages may hold newlines)."""
+    return " ".join(str(exc).split())
+
+
 def split_files(data_path: str | Path, split: str) -> list[Path]:
     """Sorted ``.h5`` files of one split (``"train"`` or ``"valid"``) of a layout folder.
 
@@ -71,7 +76,8 @@ def prepare_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
 
     Raises:
         LayoutError: ``out_dir`` already holds layout files and ``overwrite`` is False,
-            or ``out_dir`` exists and is not a folder.
+            ``out_dir`` exists and is not a folder, or the folders cannot be made (or old
+            files deleted), e.g. no permission, a read-only file system or a file on the path.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -81,10 +87,14 @@ def prepare_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     if old and not overwrite:
         raise LayoutError(f"{out} already holds a dataset ({len(old)} files, e.g. {old[0]}); "
                           "pass --overwrite (overwrite=True) to replace it or choose another --out")
-    for p in old:
-        p.unlink()
-    for sub in (*SPLITS, STATS):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        for p in old:
+            p.unlink()
+        for sub in (*SPLITS, STATS):
+            (out / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LayoutError(f"cannot write the output folder {out} ({one_line(exc)}); "
+                          "pass a writable --out") from None
     return out
 
 
@@ -114,7 +124,8 @@ class FieldFileWriter:
         start_time: optional ISO 8601 time of step 0, stored as attribute ``start_time``.
 
     Raises:
-        LayoutError: inconsistent shapes, unsorted coordinates, ``n_steps < 1`` or ``dt_hours <= 0``.
+        LayoutError: inconsistent shapes, unsorted coordinates, ``n_steps < 1`` or ``dt_hours <= 0``,
+            or the file cannot be created.
     """
 
     def __init__(self, path: str | Path, channel_names: Sequence[str], latitude: np.ndarray,
@@ -130,7 +141,10 @@ class FieldFileWriter:
         self.shape = (int(n_steps), len(channel_names), lat.size, lon.size)
         self._written = np.zeros(n_steps, dtype=bool)
         self._tmp = self.path.with_name(self.path.stem + PARTIAL_SUFFIX)
-        self._file = h5py.File(self._tmp, "w")
+        try:
+            self._file = h5py.File(self._tmp, "w")
+        except OSError as exc:
+            raise LayoutError(f"cannot create {self._tmp} ({one_line(exc)}); pass a writable --out") from None
         try:
             self._fields = self._create(channel_names, lat, lon, dt_hours, start_time)
         except BaseException:
@@ -153,14 +167,18 @@ class FieldFileWriter:
         """Write time steps ``start .. start + n - 1`` from ``block`` of shape (n, C, H, W).
 
         Raises:
-            LayoutError: wrong block shape or a range outside ``[0, T)``.
+            LayoutError: wrong block shape, a range outside ``[0, T)``, or a failed write (disk full).
         """
         if block.ndim != 4 or block.shape[1:] != self.shape[1:]:
             raise LayoutError(f"block of shape {block.shape} does not fit a file of shape {self.shape}")
         stop = start + block.shape[0]
         if start < 0 or stop > self.shape[0]:
             raise LayoutError(f"time steps {start}..{stop - 1} outside 0..{self.shape[0] - 1}")
-        self._fields[start:stop] = np.asarray(block, dtype=np.float32)
+        try:
+            self._fields[start:stop] = np.asarray(block, dtype=np.float32)
+        except OSError as exc:
+            raise LayoutError(f"cannot write {self._tmp} ({one_line(exc)}); free disk space or pass another "
+                              "--out") from None
         self._written[start:stop] = True
 
     def close(self, ok: bool = True) -> Path:
@@ -213,16 +231,20 @@ def read_channel_names(h5_path: str | Path) -> list[str]:
 
     Raises:
         InputNotFoundError: the file does not exist.
-        LayoutError: the file has no ``fields`` dataset or no ``channel_names`` attribute.
+        LayoutError: the file is not readable HDF5, or has no ``fields`` dataset or no
+            ``channel_names`` attribute.
     """
     path = Path(h5_path)
     if not path.is_file():
         raise InputNotFoundError(f"{path} does not exist")
-    with h5py.File(path, "r") as f:
-        if FIELDS not in f or ATTR_CHANNEL_NAMES not in f[FIELDS].attrs:
-            raise LayoutError(f"{path} has no '{FIELDS}' dataset with a '{ATTR_CHANNEL_NAMES}' attribute; "
-                              "write it with tools.convert_era5 or tools.make_synthetic_data")
-        return [_decode(n) for n in f[FIELDS].attrs[ATTR_CHANNEL_NAMES]]
+    fix = "write it with tools.convert_era5 or tools.make_synthetic_data"
+    try:
+        with h5py.File(path, "r") as f:
+            if FIELDS not in f or ATTR_CHANNEL_NAMES not in f[FIELDS].attrs:
+                raise LayoutError(f"{path} has no '{FIELDS}' dataset with a '{ATTR_CHANNEL_NAMES}' attribute; {fix}")
+            return [_decode(n) for n in f[FIELDS].attrs[ATTR_CHANNEL_NAMES]]
+    except OSError as exc:
+        raise LayoutError(f"cannot read {path} as HDF5 ({one_line(exc)}); {fix}") from None
 
 
 class StatsAccumulator:
@@ -316,11 +338,18 @@ def save_stats(data_path: str | Path, stats: dict[str, np.ndarray]) -> Path:
     """Save ``stats`` (keys ``global_means``, ``global_stds``, ``time_means``) to ``<data_path>/stats/``.
 
     Returns the stats folder.
+
+    Raises:
+        LayoutError: the folder or a file cannot be written.
     """
     stats_dir = Path(data_path) / STATS
-    stats_dir.mkdir(parents=True, exist_ok=True)
-    for file_name in STATS_FILES:
-        np.save(stats_dir / file_name, stats[file_name[:-len(".npy")]].astype(np.float32))
+    try:
+        stats_dir.mkdir(parents=True, exist_ok=True)
+        for file_name in STATS_FILES:
+            np.save(stats_dir / file_name, stats[file_name[:-len(".npy")]].astype(np.float32))
+    except OSError as exc:
+        raise LayoutError(f"cannot write the statistics to {stats_dir} ({one_line(exc)}); free disk space or "
+                          "pass another --out") from None
     return stats_dir
 
 

@@ -21,7 +21,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tools import era5_layout as layout
-from utils.errors import exit_status
+from utils.errors import ArgumentParser, exit_status
 
 # the 20 channels of the NERSC ViT/ERA5 tutorial, in its order
 BASE_CHANNELS = ("u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850",
@@ -212,7 +211,7 @@ def _hours_since_start(year: int) -> float:
     return float(delta.astype(np.int64))
 
 
-def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours) -> None:
+def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed) -> None:
     h, w = img_size
     if h < 2 or w < 2:
         raise layout.LayoutError(f"--img_size must be at least 2 2, got {h} {w}")
@@ -222,6 +221,8 @@ def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt
         raise layout.LayoutError(f"--steps_per_year must be >= 2 (a sample needs two steps), got {steps_per_year}")
     if not 0 < dt_hours <= 24 * 366 / steps_per_year:
         raise layout.LayoutError(f"--dt_hours must be > 0 and keep {steps_per_year} steps within a year, got {dt_hours}")
+    if seed < 0:  # NumPy seeds are non-negative
+        raise layout.LayoutError(f"--seed must be >= 0, got {seed}")
     channel_names(channels)
 
 
@@ -285,10 +286,11 @@ def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tup
         workers: files generated in parallel processes (same output as 1).
 
     Raises:
-        LayoutError: invalid arguments, or ``out_dir`` holds a dataset and ``overwrite`` is False.
+        LayoutError: invalid arguments, ``out_dir`` holds a dataset and ``overwrite`` is False,
+            or ``out_dir`` cannot be written.
     """
     img_size = (int(img_size[0]), int(img_size[1]))
-    _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours)
+    _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed)
     out = layout.prepare_output_dir(out_dir, overwrite)
     names = channel_names(channels)
     lat, lon = grid(img_size)
@@ -314,10 +316,11 @@ def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tup
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser (flags mirror :func:`make_synthetic_dataset`)."""
-    p = argparse.ArgumentParser(prog="python -m tools.make_synthetic_data",
-                                description="Write a synthetic ERA5-like dataset (train/, valid/, stats/).")
+def build_parser() -> ArgumentParser:
+    """The CLI's argument parser (flags mirror :func:`make_synthetic_dataset`; usage errors are one
+    ``error:`` line)."""
+    p = ArgumentParser(prog="python -m tools.make_synthetic_data",
+                       description="Write a synthetic ERA5-like dataset (train/, valid/, stats/).")
     p.add_argument("--out", required=True, help="output dataset folder")
     p.add_argument("--channels", type=int, default=4, help="number of channels C (default 4)")
     p.add_argument("--img_size", type=int, nargs=2, default=(32, 64), metavar=("H", "W"),

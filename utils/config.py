@@ -1,173 +1,273 @@
-"""Named YAML configs with command-line overrides.
+"""Named YAML configs and command-line overrides -> a typed :class:`utils.schema.Config`.
 
-``load_params(yaml_path, name, overrides)`` reads one named config from a YAML file
-(anchors and ``<<:`` merge keys allowed, parsed with ruamel.yaml), applies
-``--<key> <value>`` overrides (also ``--key=value``; a bare ``--flag`` means true for
-booleans), checks every key against the config's own keys, coerces each value to the
-type of its default, and checks enumerated choices.
+``config/ViT.yaml`` maps config names to flat ``key: value`` settings (anchors and ``<<:`` merge keys
+allowed). The command line overrides any key as ``--key value``, ``--key=value``, a bare ``--flag``
+(true) or a list ``--img_size [360,720]``. Every value is converted to the type the schema declares,
+whatever its YAML spelling, and checked; a bad one is a :class:`UserError` naming the key, the place
+it came from and the fix. ``--help [KEY]``, ``--list-configs`` and ``--print-config`` are generated
+from the schema (:func:`cli_config`).
 """
 
 from __future__ import annotations
 
 import difflib
-import io
+import json
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
-from ruamel.yaml import YAML
-from ruamel.yaml.error import YAMLError
-
 from utils.errors import UserError
+from utils.schema import KEYS, SECTIONS, Config, check_value, choices, coerce, plain, type_name
 
-# Enumerated options: value must be one of these.
-CHOICES = {
-    "amp_mode": ("none", "fp16", "bf16"),
-    "data_loader_config": ("pytorch", "dali", "synthetic"),
-    "lr_schedule": ("cosine", "constant"),
-    "activation_checkpointing": ("none", "full", "selective"),
-    "fsdp": ("none", "zero2", "zero3", "hsdp"),
-    "fsdp_reduce_dtype": ("fp32", "param"),
-    "attention_backend": ("auto", "cudnn", "flash", "efficient", "math"),
-    "compile_mode": ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"),
-    "parallel_order": ("tp-cp-dp", "cp-tp-dp", "tp-dp-cp", "cp-dp-tp", "dp-tp-cp", "dp-cp-tp"),
-}
-# Keys that may be null in YAML and then take this type when set from the command line.
-NULLABLE_TYPES = {"limit_nsamples": int, "limit_nsamples_val": int, "local_batch_size": int,
-                  "plot_channel": str}
+DEFAULT_YAML = "config/ViT.yaml"
+CLI_ONLY = ("config", "yaml_config")  # choose the named config; not part of it
+WIDTH = 80
 
 
-class Params(dict):
-    """A config: a dict whose keys are also attributes (``params.lr`` == ``params["lr"]``)."""
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self[key] = value
-
-    def to_yaml(self) -> str:
-        """The config as YAML text (plain types only)."""
-        yaml = YAML()
-        yaml.default_flow_style = None
-        buf = io.StringIO()
-        yaml.dump({k: _plain(v) for k, v in self.items()}, buf)
-        return buf.getvalue()
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _closest(key: str, valid) -> str:
-    near = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.5)
+def closest(name: str, valid) -> str:
+    """``"; did you mean a, b?"`` for the nearest of ``valid`` to ``name``, or ``""``."""
+    near = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.5)
     return f"; did you mean {', '.join(near)}?" if near else ""
 
 
-def read_yaml(path: str | Path) -> dict:
-    """Parse a YAML file of named configs. Raises UserError if missing or malformed."""
+# ---------------------------------------------------------------- YAML
+def read_yaml(path: str | Path) -> dict[str, dict]:
+    """Parse a YAML file of named configs (merge keys resolved).
+
+    Raises:
+        UserError: missing file, invalid YAML, a key repeated inside one mapping (which YAML merge
+            keys would otherwise resolve silently), or a document that is not ``name: {settings}``.
+    """
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file {path} not found; pass --yaml_config config/ViT.yaml")
+    text = path.read_text()
+    yaml = YAML(typ="safe", pure=True)
     try:
-        data = YAML(typ="safe", pure=True).load(path.read_text())
+        _reject_duplicate_keys(yaml.compose(text), path)
+        data = yaml.load(text)
     except YAMLError as exc:
-        raise UserError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path} must map config names to settings")
+        problem = " ".join(str(getattr(exc, "problem", "") or exc).split())
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"config file {path} is not valid YAML ({problem}{where}); fix the file") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise UserError(f"config file {path} must map config names to settings (name: {{key: value, ...}})")
     return data
 
 
-def _coerce(key: str, raw: Any, default: Any) -> Any:
-    """Convert a command-line string (or YAML value) to the type of ``default``."""
-    want = type(default) if default is not None else NULLABLE_TYPES.get(key)
-    if isinstance(raw, str):
-        if raw.lower() in ("null", "none") and (default is None or key in NULLABLE_TYPES):
-            return None
-        if want is bool:
-            low = raw.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise UserError(f"--{key} expects true or false, got {raw!r}")
-        if want in (list, tuple):
-            try:
-                raw = YAML(typ="safe", pure=True).load(raw if raw.startswith("[") else f"[{raw}]")
-            except YAMLError:
-                raise UserError(f"--{key} expects a list like [360,720], got {raw!r}") from None
-    if want is None or raw is None:
-        return raw
-    if want in (list, tuple):
-        if not default:  # free-length list (e.g. key_channels): items kept as given
-            if not isinstance(raw, (list, tuple)):
-                raise UserError(f"--{key} expects a list like [a,b], got {raw!r}")
-            return [str(r) for r in raw]
-        if not isinstance(raw, (list, tuple)) or len(raw) != len(default):
-            raise UserError(f"--{key} expects a list of {len(default)} values like {default}, got {raw!r}")
-        return [_coerce(key, r, d) for r, d in zip(raw, default)]
-    if want is float and isinstance(raw, (int, float, str)) and not isinstance(raw, bool):
-        try:
-            return float(raw)
-        except ValueError:
-            pass
-    elif want is int and not isinstance(raw, bool):
-        try:
-            value = float(raw) if isinstance(raw, str) else raw
-            if float(value).is_integer():
-                return int(value)
-        except (TypeError, ValueError):
-            pass
-    elif want is str:
-        return str(raw)
-    elif isinstance(raw, want):
-        return raw
-    raise UserError(f"--{key} expects {want.__name__} (like {default!r}), got {raw!r}")
+def _reject_duplicate_keys(node, path: Path) -> None:
+    from ruamel.yaml.nodes import MappingNode, SequenceNode
+    if isinstance(node, MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            name = getattr(k, "value", None)
+            if isinstance(name, str) and name != "<<":
+                if name in seen:
+                    raise UserError(f"config file {path} line {k.start_mark.line + 1}: key '{name}' repeats the "
+                                    f"one on line {seen[name]} in the same mapping; keep one of them")
+                seen[name] = k.start_mark.line + 1
+            _reject_duplicate_keys(v, path)
+    elif isinstance(node, SequenceNode):
+        for item in node.value:
+            _reject_duplicate_keys(item, path)
 
 
+def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | None = None) -> Config:
+    """Config ``name`` of ``yaml_path`` with ``overrides`` (``{key: str or typed value}``) applied.
+
+    Raises:
+        UserError: unknown config name or key (naming the closest), a value of the wrong type or
+            outside its choices or range.
+    """
+    configs = read_yaml(yaml_path)
+    if name not in configs:
+        raise UserError(f"config {name!r} not in {yaml_path}{closest(name, configs)} "
+                        f"(available: {', '.join(configs)})")
+    cfg = Config(name=name, yaml_config=str(yaml_path))
+    for key, raw in configs[name].items():
+        _set(cfg, key, raw, f"{yaml_path}, config {name}: ")
+    for key, raw in (overrides or {}).items():
+        _set(cfg, key, raw, "")
+    for spec in KEYS.values():
+        try:
+            check_value(spec, getattr(getattr(cfg, spec.section), spec.name))
+        except ValueError as exc:
+            value = getattr(getattr(cfg, spec.section), spec.name)
+            raise UserError(f"--{spec.name} {exc}, got {_show(value)}") from None
+    return cfg
+
+
+def _set(cfg: Config, key: str, raw: Any, where: str) -> None:
+    if key not in KEYS:
+        raise UserError(f"{where}unknown config key {'--' if not where else ''}{key}{closest(key, KEYS)} "
+                        "(python train.py --help lists the keys)")
+    try:
+        cfg.set(key, coerce(key, raw, KEYS[key].type))
+    except ValueError as exc:
+        raise UserError(f"{where}{'--' if not where else ''}{key} {exc} ({type_name(KEYS[key].type)}), "
+                        f"got {_show(raw)}") from None
+
+
+def _show(value: Any) -> str:
+    return json.dumps(plain(value)) if not isinstance(value, str) else repr(value)
+
+
+# ---------------------------------------------------------------- command line
 def parse_overrides(argv: list[str]) -> dict[str, str]:
-    """``["--lr", "1e-3", "--enable_fused", "--x=y"]`` -> ``{"lr": "1e-3", "enable_fused": "true", "x": "y"}``."""
+    """``["--lr", "1e-3", "--enable_fused", "--x=y"]`` -> ``{"lr": "1e-3", "enable_fused": "true", "x": "y"}``.
+
+    Raises:
+        UserError: an argument that is not an option, or an option given twice.
+    """
     out: dict[str, str] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise UserError(f"unexpected argument {arg!r}; options look like --<key> <value>")
-        key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
+            raise UserError(f"unexpected argument {arg!r}; options look like --<key> <value> (see --help)")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value = argv[i + 1]
                 i += 1
             else:
                 value = "true"
-        out[key] = value
+        if name in out:
+            raise UserError(f"--{name} is given twice ({out[name]!r} and {value!r}); keep one")
+        out[name] = value
         i += 1
     return out
 
 
-def load_params(yaml_path: str | Path, name: str, overrides: dict[str, Any] | None = None) -> Params:
-    """Load config ``name`` from ``yaml_path`` and apply ``overrides``.
+def cli_config(argv: list[str], default_config: str, prog: str = "train.py") -> Config | None:
+    """The config a command line asks for, or None after printing help, the config list or the config.
+
+    Handles ``--help [KEY]`` / ``-h``, ``--list-configs`` and ``--print-config``; everything else is
+    ``--yaml_config FILE --config NAME`` plus key overrides.
 
     Raises:
-        UserError: unknown config name, unknown key (naming the closest valid keys),
-            value of the wrong type, or a value outside the key's choices.
+        UserError: any bad option or value.
     """
+    if "--help" in argv or "-h" in argv:
+        i = argv.index("--help" if "--help" in argv else "-h")
+        topic = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+        yaml_path = parse_overrides([a for a in argv if a not in ("--help", "-h", topic)]).get(
+            "yaml_config", DEFAULT_YAML)
+        print(key_help(topic.lstrip("-").replace("-", "_"), yaml_path) if topic else full_help(prog))
+        return None
+    flags = {a for a in ("--list-configs", "--list_configs", "--print-config", "--print_config") if a in argv}
+    overrides = parse_overrides([a for a in argv if a not in flags])
+    yaml_path = overrides.pop("yaml_config", DEFAULT_YAML)
+    name = overrides.pop("config", default_config)
+    if flags & {"--list-configs", "--list_configs"}:
+        print(config_list(yaml_path))
+        return None
+    cfg = load_config(yaml_path, name, overrides)
+    if flags:
+        print(to_yaml(cfg), end="")
+        return None
+    return cfg
+
+
+# ---------------------------------------------------------------- generated text
+def full_help(prog: str = "train.py") -> str:
+    """``--help``: every key by section with type, default and doc, at most 80 columns wide."""
+    lines = [f"usage: python {prog} [--config NAME] [--yaml_config FILE] [--KEY VALUE ...]",
+             f"       python {prog} --help [KEY] | --list-configs | --print-config",
+             "",
+             *textwrap.wrap("Values: --key value or --key=value; a bare --flag means true; lists as [a,b]; "
+                            "null where the type allows it. Keys can also be set in the YAML config.", WIDTH),
+             "",
+             "  --config NAME          named config of the YAML file (--list-configs)",
+             f"  --yaml_config FILE     named configs (default {DEFAULT_YAML})"]
+    for attr, (_, title) in SECTIONS.items():
+        lines += ["", f"{title}:"]
+        for spec in (s for s in KEYS.values() if s.section == attr):
+            head, doc = f"  --{spec.name} {type_name(spec.type)}  (default {_show_plain(spec.default)})", spec.doc
+            if len(head) > WIDTH:  # long choice lists go below the key
+                head = f"  --{spec.name} CHOICE  (default {_show_plain(spec.default)})"
+                doc += f"; one of {', '.join(map(str, choices(spec.type)))}"
+            lines.append(head)
+            lines += textwrap.wrap(doc, WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                   break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def key_help(name: str, yaml_path: str | Path = DEFAULT_YAML) -> str:
+    """``--help KEY``: one key's section, type, default, doc and the named configs that change it.
+
+    Raises:
+        UserError: unknown key (naming the closest).
+    """
+    if name not in KEYS:
+        raise UserError(f"--help {name}: unknown config key{closest(name, KEYS)}")
+    spec = KEYS[name]
+    lines = [f"--{name} {type_name(spec.type)}", f"  section: {SECTIONS[spec.section][1]}",
+             f"  default: {_show_plain(spec.default)}"]
+    if spec.check is not None:
+        lines.append(f"  allowed: {spec.check.text}")
+    lines += textwrap.wrap(spec.doc, WIDTH, initial_indent="  ", subsequent_indent="  ")
+    try:
+        configs = read_yaml(yaml_path)
+    except UserError:
+        configs = {}
+    changed = [f"{n} {_show_plain(v)}" for n, v in ((n, c.get(name, spec.default)) for n, c in configs.items())
+               if plain(v) != plain(spec.default)]
+    if changed:
+        lines += textwrap.wrap(f"set by named configs: {', '.join(changed)}", WIDTH, initial_indent="  ",
+                               subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def config_list(yaml_path: str | Path = DEFAULT_YAML) -> str:
+    """``--list-configs``: each named config with its one-line description."""
     configs = read_yaml(yaml_path)
-    if name not in configs:
-        raise UserError(f"config {name!r} not in {yaml_path}{_closest(name, configs)} "
-                        f"(available: {', '.join(configs)})")
-    params = Params(configs[name])
-    for key, raw in (overrides or {}).items():
-        if key not in params:
-            raise UserError(f"unknown config key --{key}{_closest(key, params)}")
-        params[key] = _coerce(key, raw, params[key])
-    for key, options in CHOICES.items():
-        if key in params and params[key] not in options:
-            raise UserError(f"--{key} must be one of {', '.join(options)}, got {params[key]!r}")
-    params["config"] = name
-    return params
+    width = max(map(len, configs)) + 2
+    return "\n".join(n.ljust(width) + textwrap.shorten(str(c.get("description", "")), WIDTH - width, placeholder="...")
+                     for n, c in configs.items())
+
+
+def _show_plain(value: Any) -> str:
+    value = plain(value)
+    return "null" if value is None else json.dumps(value) if isinstance(value, (list, bool)) else str(value)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as a YAML file of one named config, loadable with ``--yaml_config``."""
+    values = cfg.flat()
+    lines = [f"# resolved config {cfg.name!r} (from {cfg.yaml_config})", f"{cfg.name}:"]
+    for attr, (_, title) in SECTIONS.items():
+        lines.append(f"  # ---- {title}")
+        lines += [f"  {s.name}: {json.dumps(values[s.name])}" for s in KEYS.values() if s.section == attr]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_flags() -> str:
+    """The README's flag table, generated from the schema (tests/test_config.py keeps them equal)."""
+    rows = ["| flag | type | default | meaning |", "|---|---|---|---|"]
+    for attr, (_, title) in SECTIONS.items():
+        rows.append(f"| **{title}** | | | |")
+        for spec in (s for s in KEYS.values() if s.section == attr):
+            kind = type_name(spec.type).replace("|", "\\|")
+            rows.append(f"| `--{spec.name}` | `{kind}` | `{_show_plain(spec.default)}` | {spec.doc} |")
+    return "\n".join(rows)
+
+
+def update_readme(path: Path = Path(__file__).resolve().parents[1] / "README.md") -> None:
+    """Replace the README's generated flag table (between the ``flags:start``/``flags:end`` markers)."""
+    text = path.read_text()
+    start, end = "<!-- flags:start -->\n", "\n<!-- flags:end -->"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    path.write_text(head + start + markdown_flags() + end + tail)
+
+
+if __name__ == "__main__":  # python -m utils.config --update-readme
+    if sys.argv[1:] != ["--update-readme"]:
+        sys.exit("usage: python -m utils.config --update-readme")
+    update_readme()

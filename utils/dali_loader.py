@@ -4,10 +4,15 @@ Each data-parallel rank runs one DALI pipeline per split (train, valid), built l
 iteration::
 
     fn.external_source(parallel=True, batch=False)   per-sample callback in py_num_workers spawned
-        |  raw float32 (C, H, W) input, target, int64 index     processes, reading HDF5 with h5py
+        |  raw float32 (C, H, W) input, target, int64 index,    processes, reading HDF5 with h5py
+        |  uint8 read error (empty: none)
         |  .gpu()                                        on CUDA only
         v  (x - mean) / std                              DALI arithmetic, mean/std (C, 1, 1) constants
     torch tensors via DLPack (no copy: the dynamic executor gives every batch its own buffers)
+
+Read errors: DALI re-raises an exception of a parallel callback as a plain ``Exception`` whose
+message is the worker's traceback, so the callback returns a read error (the ``UserError``
+message, UTF-8) as a fourth output instead, and the loader raises it as a one-line ``UserError``.
 
 Equality with the native loader holds by construction: the callback takes the sample order
 from the native loader's sampler (``utils.data_loader.make_sampler``: same seed, ``set_epoch``),
@@ -39,12 +44,13 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
-from utils.data_loader import ERA5Dataset, Stats, make_sampler
+from utils.data_loader import ERA5Dataset, Stats
 from utils.errors import UserError
 
 # finish an abandoned epoch by running at most this many batches; rebuild the pipeline otherwise
 DRAIN_LIMIT = 4
 PREFETCH_DEPTH = 2  # batches prepared ahead, by the workers and by the pipeline
+NO_ERROR = np.zeros(0, np.uint8)  # the error output of a sample that was read
 INSTALL_HINT = ("--data_loader_config dali needs NVIDIA DALI: pip install '.[dali]' (nvidia-dali-cuda120; "
                 "on CUDA 13 systems pip install nvidia-dali-cuda130), or use --data_loader_config pytorch")
 
@@ -61,12 +67,14 @@ def _import_dali():
 
 
 class SampleSource:
-    """Per-sample ``fn.external_source`` callback: ``SampleInfo`` -> ``(inp, tar, index)``.
+    """Per-sample ``fn.external_source`` callback: ``SampleInfo`` -> ``(inp, tar, index, error)``.
 
     ``inp``/``tar`` are raw float32 ``(C, H, W)`` fields of ``sampler.dataset`` (an ERA5Dataset;
-    cropped, not normalized), ``index`` a 0-d int64 array. The order of an epoch is the sampler's
-    for that epoch; positions ``[len(sampler), n_batches * batch_size)`` are padding: zeros with
-    index -1. Raises StopIteration at the end of an epoch.
+    cropped, not normalized), ``index`` a 0-d int64 array, ``error`` uint8 ``(n,)``: empty, or
+    the UTF-8 message of the UserError that reading the sample raised (``inp``/``tar`` are then
+    zeros). The order of an epoch is the sampler's for that epoch; positions
+    ``[len(sampler), n_batches * batch_size)`` are padding: zeros with index -1. Raises
+    StopIteration at the end of an epoch.
 
     Picklable for ``py_start_method="spawn"``: HDF5 handles are opened lazily in each worker
     and dropped when pickling.
@@ -98,13 +106,23 @@ class SampleSource:
         if info.idx_in_epoch >= self.epoch_len:
             raise StopIteration
         order = self.order(self.epoch_offset + info.epoch_idx)
-        ds = self.sampler.dataset
         if info.idx_in_epoch >= len(order):  # padding of the last validation batch
-            shape = (ds.n_channels, *ds.img_size)
-            return np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.array(-1, np.int64)
+            return self._blank(-1, b"")
+        ds = self.sampler.dataset
         index = order[info.idx_in_epoch]
         file_no, t = ds.locate(index)
-        return ds.read(file_no, t), ds.read(file_no, t + ds.dt), np.array(index, np.int64)
+        try:
+            inp, tar = ds.read(file_no, t), ds.read(file_no, t + ds.dt)
+        except UserError as exc:
+            return self._blank(index, str(exc).encode())
+        return inp, tar, np.array(index, np.int64), NO_ERROR
+
+    def _blank(self, index: int, error: bytes):
+        """Zero fields for sample ``index`` with read ``error`` (see the class docstring)."""
+        ds = self.sampler.dataset
+        shape = (ds.n_channels, *ds.img_size)
+        return (np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.array(index, np.int64),
+                np.frombuffer(error, np.uint8))
 
 
 class DaliBatches:
@@ -118,7 +136,8 @@ class DaliBatches:
     CPU-only pipeline (``device_id=None``). Only the newest iterator of a loader may be used.
 
     Raises:
-        UserError: DALI is not installed.
+        UserError: DALI is not installed; while iterating, a sample cannot be read (the message
+            names the file and time index; the pipeline is closed).
     """
 
     def __init__(self, dataset: ERA5Dataset, sampler: DistributedSampler, *, batch_size: int, train: bool,
@@ -158,16 +177,16 @@ class DaliBatches:
                         device_id=device_id, prefetch_queue_depth=PREFETCH_DEPTH, exec_dynamic=True,
                         py_num_workers=self.num_workers, py_start_method="spawn")
         with pipe:
-            inp, tar, idx = fn.external_source(source, num_outputs=3, batch=False, parallel=True,
-                                               prefetch_queue_depth=PREFETCH_DEPTH,
-                                               bytes_per_sample_hint=2 * 4 * c * h * w + 64)
+            inp, tar, idx, error = fn.external_source(source, num_outputs=4, batch=False, parallel=True,
+                                                      prefetch_queue_depth=PREFETCH_DEPTH,
+                                                      bytes_per_sample_hint=2 * 4 * c * h * w + 64)
             where = "gpu" if cuda else "cpu"
             if cuda:
                 inp, tar = inp.gpu(), tar.gpu()
             mean = types.Constant(self._mean, device=where)
             std = types.Constant(self._std, device=where)
             # same float32 operations, in the same order, as DeviceBatches: (x - mean) / std
-            pipe.set_outputs((inp - mean) / std, (tar - mean) / std, idx)
+            pipe.set_outputs((inp - mean) / std, (tar - mean) / std, idx, error)
         pipe.build()  # spawns the workers
         self._pipe, self._pipe_epoch, self._pos = pipe, epoch, 0
 
@@ -213,6 +232,7 @@ class DaliBatches:
 
     # ------------------------------------------------------------------ iteration
     def _to_torch(self, outputs):
+        """``(inp, tar, index)`` pipeline outputs as torch tensors, the padding trimmed off."""
         inp, tar, idx = (torch.from_dlpack(out.as_tensor()) for out in outputs)
         n = min(self.batch_size, self.n_real - (self._pos - 1) * self.batch_size)
         if n < self.batch_size:  # trim the padding of the last validation batch
@@ -232,10 +252,15 @@ class DaliBatches:
                 self.close()
                 raise RuntimeError(f"DALI pipeline ended after {self._pos} of {self.n_batches} batches") from None
             except BaseException:
-                self.close()  # e.g. a read error in a worker: the pipeline's state is unknown
+                self.close()  # e.g. a bug in the callback: the pipeline's state is unknown
                 raise
             self._pos += 1
-            yield self._to_torch(outputs)
+            *batch, errors = outputs
+            error = read_error(errors)
+            if error is not None:
+                self.close()  # the epoch cannot be completed
+                raise UserError(error)
+            yield self._to_torch(batch)
         self._finish_epoch()
 
     def __iter__(self) -> Iterator:
@@ -246,15 +271,24 @@ class DaliBatches:
         return self._batches(self._token)
 
 
-def dali_batches(dataset: ERA5Dataset, params, batch_size: int, train: bool, dp_rank: int, dp_size: int,
-                 device: torch.device, stats: Stats) -> DaliBatches:
+def read_error(errors) -> str | None:
+    """The first read error of a batch's uint8 error output (a CPU ``TensorList``), or None."""
+    for i, shape in enumerate(errors.shape()):
+        if shape[0]:
+            return np.asarray(errors[i]).tobytes().decode()
+    return None
+
+
+def dali_batches(dataset: ERA5Dataset, sampler: DistributedSampler, batch_size: int, train: bool,
+                 num_workers: int, device: torch.device, stats: Stats) -> DaliBatches:
     """The DALI counterpart of the native ``DeviceBatches`` for one split of one data-parallel rank.
 
-    ``stats`` holds the mean/std ``(1, C, 1, 1)`` used to normalize. Uses ``params.seed`` (through
-    ``make_sampler``) and ``params.num_data_workers`` (0 means 1 worker).
+    ``sampler`` orders the samples (``utils.data_loader.make_sampler``, shared with the native
+    loader); ``stats`` holds the mean/std ``(1, C, 1, 1)`` used to normalize; ``num_workers`` 0
+    means 1 worker.
 
     Raises:
         UserError: DALI is not installed.
     """
-    return DaliBatches(dataset, make_sampler(dataset, params, train, dp_rank, dp_size), batch_size=batch_size,
-                       train=train, num_workers=params.num_data_workers, device=device, stats=stats)
+    return DaliBatches(dataset, sampler, batch_size=batch_size, train=train, num_workers=num_workers,
+                       device=device, stats=stats)

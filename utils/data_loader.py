@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import h5py
 import numpy as np
@@ -26,8 +26,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from utils.errors import UserError
+from utils.schema import DataConfig
 
 FIELDS = "fields"
+LATITUDE = "latitude"
+CHANNEL_NAMES = "channel_names"
+SPLITS = ("train", "valid")
+STATS_HINT = "recompute the statistics with the data tools (python -m tools.convert_era5 or tools.make_synthetic_data)"
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (h5py and NumPy messages may hold newlines)."""
+    return " ".join(str(exc).split())
 
 
 @dataclass
@@ -115,11 +125,22 @@ class ERA5Dataset(Dataset):
         return self._handles[file_no]
 
     def read(self, file_no: int, t: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Read the cropped state at time ``t`` of file ``file_no`` as float32 ``(C, H, W)``."""
+        """Read the cropped state at time ``t`` of file ``file_no`` as float32 ``(C, H, W)`` (into ``out``).
+
+        Raises:
+            UserError: h5py cannot read it (a damaged or truncated file, an I/O error), naming
+                the file and the time index.
+        """
         h, w = self.img_size
         if out is None:
             out = np.empty((self.n_channels, h, w), dtype=np.float32)
-        self._dataset(file_no).read_direct(out, np.s_[t, :, :h, :w])
+        try:
+            self._dataset(file_no).read_direct(out, np.s_[t, :, :h, :w])
+        except OSError as exc:
+            path = self.files[file_no].path
+            raise UserError(f"cannot read time {t} of {path} ({_one_line(exc)}); the file is damaged or was changed "
+                            f"after the run started: re-create it with the data tools or move it out of "
+                            f"{path.parent}") from None
         return out
 
     def __getitem__(self, index: int):
@@ -127,6 +148,29 @@ class ERA5Dataset(Dataset):
         inp = self.read(file_no, t)
         tar = self.read(file_no, t + self.dt)
         return torch.from_numpy(inp), torch.from_numpy(tar), index
+
+
+def load_stats_array(path: Path) -> np.ndarray:
+    """One statistics file as a finite float32 array (any shape).
+
+    Raises:
+        UserError: ``path`` is not a ``.npy`` file of numbers (truncated, empty, ``.npz``,
+            pickled objects, strings) or holds NaN/Inf; the message names the file.
+    """
+    try:
+        with open(path, "rb") as f:
+            arr = np.lib.format.read_array(f)  # .npy only and no pickles: a data file never runs code
+    except (OSError, ValueError, EOFError) as exc:
+        raise UserError(f"cannot read {path} as a .npy array ({_one_line(exc)}); {STATS_HINT}") from None
+    if arr.dtype.kind not in "iuf":
+        raise UserError(f"{path} holds {arr.dtype} values, not numbers; {STATS_HINT}")
+    arr = arr.astype(np.float32)
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        # caught here, a NaN std would otherwise surface later as a diverging loss
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise UserError(f"{path} holds {int(bad.sum())} NaN/Inf value(s), first at index {first}; {STATS_HINT}")
+    return arr
 
 
 @dataclass
@@ -140,6 +184,12 @@ class Stats:
 
     @classmethod
     def load(cls, stats_dir: Path, n_channels: int, img_size, device) -> "Stats":
+        """Read ``global_means``, ``global_stds``, ``time_means`` ``.npy`` files of ``stats_dir``.
+
+        Raises:
+            UserError: a file is missing, is not a numeric ``.npy`` array (truncated, empty,
+                pickled, ...), holds NaN/Inf, has the wrong shape, or a std is not positive.
+        """
         arrays = {}
         for name, want in (("global_means", (1, n_channels, 1, 1)), ("global_stds", (1, n_channels, 1, 1)),
                            ("time_means", None)):
@@ -147,7 +197,7 @@ class Stats:
             if not path.is_file():
                 raise UserError(f"missing {path}; the data folder needs stats/global_means.npy, "
                                 "global_stds.npy and time_means.npy (written by the tools in tools/)")
-            arr = np.load(path).astype(np.float32)
+            arr = load_stats_array(path)
             if want is not None and arr.shape != want:
                 raise UserError(f"{path} has shape {arr.shape}, expected {want}")
             arrays[name] = arr
@@ -192,10 +242,21 @@ class BatchSlots:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
 
 
+class FilledBatch(NamedTuple):
+    """A batch read into slot ``batch_no % K``: its sample ``indices`` (int64 ``(B,)``) and, if a
+    sample could not be read, the one-line ``error`` message (the slot's content is then undefined)."""
+
+    batch_no: int
+    indices: torch.Tensor
+    error: str | None
+
+
 class SlotFiller(Dataset):
-    """Reads one batch per item into its slot: ``(batch_no, indices)`` -> ``(batch_no, indices)``.
+    """Reads one batch per item into its slot: ``(batch_no, indices)`` -> :class:`FilledBatch`.
 
     Runs in DataLoader workers (or inline without workers); batch ``b`` goes to slot ``b % K``.
+    A read error is returned, not raised: DataLoader re-raises a worker's exception with the
+    worker's traceback in its message, which would break the one-line ``error:`` report.
     """
 
     def __init__(self, dataset: ERA5Dataset, slots: BatchSlots):
@@ -204,14 +265,18 @@ class SlotFiller(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, item):
+    def __getitem__(self, item) -> FilledBatch:
         batch_no, indices = item
         slot = self.slots.buf[batch_no % self.slots.k]
-        for j, index in enumerate(indices):
-            file_no, t = self.dataset.locate(index)
-            self.dataset.read(file_no, t, out=slot[0, j].numpy())
-            self.dataset.read(file_no, t + self.dataset.dt, out=slot[1, j].numpy())
-        return batch_no, torch.as_tensor(indices, dtype=torch.int64)
+        error = None
+        try:
+            for j, index in enumerate(indices):
+                file_no, t = self.dataset.locate(index)
+                self.dataset.read(file_no, t, out=slot[0, j].numpy())
+                self.dataset.read(file_no, t + self.dataset.dt, out=slot[1, j].numpy())
+        except UserError as exc:
+            error = str(exc)
+        return FilledBatch(batch_no, torch.as_tensor(indices, dtype=torch.int64), error)
 
 
 class NumberedBatches(Sampler):
@@ -260,6 +325,8 @@ class DeviceBatches:
     normalized ``(x - mean) / std`` on a side stream while the current one is used, and the
     compute stream waits on an event. Yields float32 ``(B, C, H, W)`` tensors and int64 indices;
     the last incomplete batch is dropped when ``drop_last`` (training), kept otherwise.
+    Iterating raises UserError (in this process, also for reads done by workers) when a sample
+    cannot be read, naming the file and time index.
 
     A slot is rewritten only after its copy has finished: a DataLoader with ``P`` batches in
     flight hands out batch ``j + P`` while batch ``j`` is returned, so with ``K = P + 2`` slots
@@ -298,11 +365,18 @@ class DeviceBatches:
             it = iter(self.loader)
             for j in range(len(self.batches)):
                 self._wait_slot(j - 2)  # receiving batch j releases batch j + P to a worker
-                yield next(it)
+                yield self._checked(next(it))
         else:
             for batch_no, indices in self.batches:
                 self._wait_slot(batch_no)
-                yield self.filler[(batch_no, indices)]
+                yield self._checked(self.filler[(batch_no, indices)])
+
+    @staticmethod
+    def _checked(filled: FilledBatch) -> tuple[int, torch.Tensor]:
+        """``(batch_no, indices)`` of a filled batch; raises UserError with its read error."""
+        if filled.error is not None:
+            raise UserError(filled.error)
+        return filled.batch_no, filled.indices
 
     def _to_device(self, batch_no: int, indices: torch.Tensor, out: torch.Tensor | None = None):
         """Copy a batch out of its slot (into ``out`` on CUDA) and normalize it."""
@@ -383,8 +457,8 @@ class SyntheticBatches:
 class Data:
     """Everything the training loop needs from the data side.
 
-    ``train``/``valid`` iterate normalized device batches; ``train_dataset`` reads raw samples
-    (None for synthetic data); ``latitude`` is ``(H,)`` degrees.
+    ``train``/``valid`` iterate normalized device batches; ``train_dataset``/``valid_dataset``
+    read their raw samples (None for synthetic data); ``latitude`` is ``(H,)`` degrees.
     """
 
     train: DeviceBatches | SyntheticBatches
@@ -394,16 +468,27 @@ class Data:
     latitude: np.ndarray
     train_samples: int
     train_dataset: ERA5Dataset | None = None
+    valid_dataset: ERA5Dataset | None = None
 
-    def find_nonfinite(self, indices: Iterable[int]) -> list[str]:
-        """Origins (file and time) of the training samples among ``indices`` holding NaN/Inf."""
-        if self.train_dataset is None:
+    def find_nonfinite(self, indices: Iterable[int], split: str = "train") -> list[str]:
+        """Origins (e.g. ``valid/2001.h5 time 5 -> 6``) of the samples among ``indices`` (global
+        sample indices of ``split``, ``"train"`` or ``"valid"``) whose input or target holds NaN/Inf;
+        empty for synthetic data.
+
+        Raises:
+            ValueError: unknown ``split``.
+            UserError: a sample cannot be read.
+        """
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        dataset = self.train_dataset if split == "train" else self.valid_dataset
+        if dataset is None:
             return []
         bad = []
         for idx in indices:
-            inp, tar, _ = self.train_dataset[idx]
+            inp, tar, _ = dataset[idx]
             if not (torch.isfinite(inp).all() and torch.isfinite(tar).all()):
-                bad.append(self.train_dataset.describe(idx))
+                bad.append(dataset.describe(idx))
         return bad
 
 
@@ -413,62 +498,114 @@ def equiangular_latitudes(h: int) -> np.ndarray:
 
 
 def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.ndarray]:
-    """Channel names (attr ``channel_names`` of ``fields``) and the first ``h`` latitudes of one file."""
-    with h5py.File(path, "r") as f:
-        names = f[FIELDS].attrs.get("channel_names")
-        names = [n.decode() if isinstance(n, bytes) else str(n) for n in names] if names is not None else []
-        lat = np.asarray(f["latitude"][:h], dtype=np.float64) if "latitude" in f else None
-    if len(names) != n_channels:
-        names = [f"c{i}" for i in range(n_channels)]
-    if lat is None:
-        lat = equiangular_latitudes(h)
+    """Channel names and the first ``h`` latitudes of one file of the layout.
+
+    Returns:
+        ``n_channels`` names from attr ``channel_names`` of ``fields`` (``c0, c1, ...`` when it is
+        missing, unreadable or of another length: names only label logs), and float64 ``(h,)``
+        degrees from dataset ``latitude`` (equiangular, :func:`equiangular_latitudes`, without one).
+
+    Raises:
+        UserError: h5py cannot read the file, or ``latitude`` is not a 1-D numeric array of at
+            least ``h`` finite values in [-90, 90] (it weights the metrics); names the file.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            names = _channel_names(f[FIELDS], n_channels)
+            lat = _latitudes(f[LATITUDE], path, h) if LATITUDE in f else equiangular_latitudes(h)
+    except OSError as exc:
+        raise UserError(f"cannot read the metadata of {path} ({_one_line(exc)}); the file is damaged: "
+                        "re-create it with the data tools") from None
     return names, lat
 
 
-def make_sampler(dataset: ERA5Dataset, params, train: bool, dp_rank: int, dp_size: int) -> DistributedSampler:
+def _channel_names(fields: h5py.Dataset, n_channels: int) -> list[str]:
+    try:
+        names = fields.attrs.get(CHANNEL_NAMES)
+    except (OSError, TypeError, ValueError):  # an attribute type h5py cannot read
+        names = None
+    if (not isinstance(names, np.ndarray) or names.ndim != 1 or len(names) != n_channels
+            or names.dtype.kind not in "OSU"):
+        return [f"c{i}" for i in range(n_channels)]
+    return [n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in names]
+
+
+def _latitudes(node: h5py.Dataset | h5py.Group, path: Path, h: int) -> np.ndarray:
+    """The first ``h`` entries of the ``latitude`` dataset ``node``, checked (see :func:`read_metadata`)."""
+    fix = "re-create the file with the data tools (python -m tools.convert_era5)"
+    if not isinstance(node, h5py.Dataset):
+        raise UserError(f"{path}: '{LATITUDE}' is not a dataset; {fix}")
+    if node.dtype.kind not in "iuf" or node.ndim != 1 or node.shape[0] < h:
+        raise UserError(f"{path}: '{LATITUDE}' must be a 1-D numeric array of at least {h} values (the "
+                        f"img_size height), got {node.dtype} of shape {node.shape}; {fix}")
+    lat = node[()].astype(np.float64)
+    if not np.isfinite(lat).all():
+        raise UserError(f"{path}: '{LATITUDE}' holds {int((~np.isfinite(lat)).sum())} NaN/Inf value(s); {fix}")
+    if np.abs(lat).max() > 90:
+        raise UserError(f"{path}: '{LATITUDE}' runs from {lat.min():g} to {lat.max():g}, outside [-90, 90] "
+                        f"degrees; {fix}")
+    return lat[:h]
+
+
+def make_sampler(dataset: ERA5Dataset, seed: int, train: bool, dp_rank: int, dp_size: int) -> DistributedSampler:
     """The sample order shared by the native and DALI loaders: shuffled per epoch for training,
     sharded over data-parallel ranks, dropping the tail that does not divide over the ranks."""
     return DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=train,
-                              seed=params.seed, drop_last=True)
+                              seed=seed, drop_last=True)
 
 
-def build_data(params, batch_size: int, dp_rank: int, dp_size: int, device: torch.device) -> Data:
-    """Build the train/valid iterables selected by ``params.data_loader_config``.
+def check_valid_split(valid_ds: ERA5Dataset, dp_size: int, limit: int | None) -> None:
+    """Raise UserError when some data-parallel rank would get no validation sample.
+
+    The sampler gives each rank ``len // dp_size`` samples (the tail is dropped), so with fewer
+    samples than ranks validation would run on nothing and report a meaningless loss.
+    """
+    n = len(valid_ds)
+    if n >= dp_size:
+        return
+    more = "raise --limit_nsamples_val or add" if n == limit else "add"
+    raise UserError(f"the validation split {valid_ds.directory} has {n} sample(s) for {dp_size} data-parallel "
+                    f"ranks, so some ranks would validate on nothing; {more} validation files, or use at most "
+                    f"{n} data-parallel rank(s)")
+
+
+def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
+               seed: int = 0) -> Data:
+    """Build the train/valid iterables selected by ``cfg.data_loader_config``.
 
     ``batch_size`` is the local (per data-parallel rank) batch size; each data-parallel rank
-    sees a disjoint shard of the samples (DistributedSampler), tensor/context-parallel peers
-    the same one. Raises UserError for bad data or paths.
+    sees a disjoint shard of the samples (DistributedSampler, order from ``seed``),
+    tensor/context-parallel peers the same one. Raises UserError for bad data or paths.
     """
-    c, img = params.n_in_channels, tuple(params.img_size)
-    if params.n_out_channels != c:
-        raise UserError(f"n_out_channels={params.n_out_channels} must equal n_in_channels={c}: "
-                        "targets are the same fields dt steps later")
-    if params.data_loader_config == "synthetic":
-        n_train = params.limit_nsamples or 512
-        n_valid = params.limit_nsamples_val or 128
+    c, img = cfg.n_in_channels, tuple(cfg.img_size)
+    if cfg.data_loader_config == "synthetic":
+        n_train = cfg.limit_nsamples or 512
+        n_valid = cfg.limit_nsamples_val or 128
         steps = max(1, n_train // (batch_size * dp_size))
-        train = SyntheticBatches(steps, batch_size, c, img, device, params.seed)
+        train = SyntheticBatches(steps, batch_size, c, img, device, seed)
         valid = SyntheticBatches(max(1, math.ceil(n_valid / (batch_size * dp_size))), batch_size, c, img, device,
-                                 params.seed + 1)
+                                 seed + 1)
         return Data(train, valid, Stats.identity(c, img, device), [f"c{i}" for i in range(c)],
                     equiangular_latitudes(img[0]), steps * batch_size * dp_size)
-    root = Path(params.data_path)
-    train_ds = ERA5Dataset(root / "train", c, img, params.dt, params.limit_nsamples)
-    valid_ds = ERA5Dataset(root / "valid", c, img, params.dt, params.limit_nsamples_val)
+    root = Path(cfg.data_path)
+    train_ds = ERA5Dataset(root / "train", c, img, cfg.dt, cfg.limit_nsamples)
+    valid_ds = ERA5Dataset(root / "valid", c, img, cfg.dt, cfg.limit_nsamples_val)
     if len(train_ds) < batch_size * dp_size:
         raise UserError(f"{len(train_ds)} training samples are fewer than one global batch "
                         f"({batch_size} x {dp_size} ranks); lower --global_batch_size")
+    check_valid_split(valid_ds, dp_size, cfg.limit_nsamples_val)
     stats = Stats.load(root / "stats", c, img, device)
     names, lat = read_metadata(train_ds.files[0].path, c, img[0])
-    if params.data_loader_config == "dali":
+    if cfg.data_loader_config == "dali":
         from utils.dali_loader import dali_batches
-        train, valid = (dali_batches(ds, params, batch_size, is_train, dp_rank, dp_size, device, stats)
+        train, valid = (dali_batches(ds, make_sampler(ds, seed, is_train, dp_rank, dp_size), batch_size,
+                                     is_train, cfg.num_data_workers, device, stats)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     else:
         ring = DeviceRing(device) if device.type == "cuda" else None
-        train, valid = (DeviceBatches(ds, make_sampler(ds, params, is_train, dp_rank, dp_size), batch_size,
-                                      is_train, params.num_data_workers, device=device, stats=stats, ring=ring)
+        train, valid = (DeviceBatches(ds, make_sampler(ds, seed, is_train, dp_rank, dp_size), batch_size,
+                                      is_train, cfg.num_data_workers, device=device, stats=stats, ring=ring)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
-    return Data(train, valid, stats, names, lat, n_train, train_ds)
+    return Data(train, valid, stats, names, lat, n_train, train_ds, valid_ds)
 

@@ -1,5 +1,7 @@
 """Errors for expected bad input: the entry points print them as one line and exit non-zero."""
 
+import argparse
+
 
 class UserError(Exception):
     """Bad input from the user (config, data, environment). The message names the problem and the fix."""
@@ -17,5 +19,14 @@ def exit_status(main, *args, **kwargs) -> int:
         main(*args, **kwargs)
         return 0
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)  # always one line
         return 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` whose errors are one line like every other bad input:
+    ``error: <message>; see --help`` on stderr and exit status 2 (argparse's own prints a usage
+    line first, and its ``prog: error:`` prefix differs from the entry points')."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see --help\n")

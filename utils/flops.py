@@ -27,14 +27,15 @@ PEAK_FLOPS = {
 }
 
 
-def vit_flops_per_sample(params) -> float:
-    """Training FLOPs for one sample (forward + backward) of the config's ViT."""
-    h, w = params["img_size"]
-    p, d, depth, r = params["patch_size"], params["embed_dim"], params["depth"], params["mlp_ratio"]
+def vit_flops_per_sample(model, data) -> float:
+    """Training FLOPs for one sample (forward + backward) of the ViT of ``model`` (ModelConfig) on the
+    grid and channels of ``data`` (DataConfig)."""
+    h, w = data.img_size
+    p, d, depth, r = model.patch_size, model.embed_dim, model.depth, model.mlp_ratio
     n = (h // p) * (w // p)
-    embed = 2 * n * d * params["n_in_channels"] * p * p
+    embed = 2 * n * d * data.n_in_channels * p * p
     block = (8 + 4 * r) * n * d * d + 4 * n * n * d
-    head = 2 * n * d * params["n_out_channels"] * p * p
+    head = 2 * n * d * data.n_out_channels * p * p
     return 3.0 * (embed + depth * block + head)
 
 

@@ -1,25 +1,10 @@
-"""Run directory, console/file logging and the TensorBoard writer (rank 0 only)."""
+"""Console and file logging: rank 0 logs INFO, other ranks warnings only."""
 
 from __future__ import annotations
 
 import logging
 import sys
 from pathlib import Path
-
-from utils.errors import UserError
-
-
-def run_directory(params, world_size: int) -> Path:
-    """``<expdir>/<config>/<N>GPU/<run_num>/``, created. Raises UserError when not writable."""
-    path = Path(params.expdir) / params.config / f"{world_size}GPU" / str(params.run_num)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write to run directory {path} ({exc.strerror}); pass a writable --expdir") from None
-    return path
 
 
 def setup_logging(log_file: Path | None, rank: int) -> None:

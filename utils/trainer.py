@@ -1,6 +1,7 @@
 """The one training loop, shared by every mode (single GPU, DDP, FSDP, tensor/context parallel).
 
-``train.py`` and ``train_mp.py`` parse the config and call :func:`run`. Parallelism is
+``train.py`` and ``train_mp.py`` parse and validate the config and call :func:`run`. Reporting
+(console, TensorBoard, ``metrics.jsonl``, ``run.json``) lives in ``utils/reporting.py``. Parallelism is
 applied from outside (``distributed/parallelize.py``); the loop only sees a model, an
 optimizer and device batches, plus two hooks from ``distributed/``: gradient-sync
 suppression for accumulation and the reduction of replicated-parameter gradients.
@@ -9,72 +10,57 @@ suppression for accumulation and the reduction of replicated-parameter gradients
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import sys
 import time
-from pathlib import Path
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from distributed.checkpoint import save_full_model
-from distributed.env import World
+from distributed.env import World, broadcast_from_main
 from distributed.parallelize import (AMP_DTYPES, build_parallel_model, clip_grad_norm, gradient_sync,
                                      reduce_replicated_gradients)
 from networks.vit import build_model
+from utils.config import to_yaml
 from utils.data_loader import Data, build_data
 from utils.errors import NonFiniteError, UserError
 from utils.flops import peak_flops, vit_flops_per_sample
-from utils.logging_utils import run_directory, setup_logging
-from utils.memory import MemoryTracker, format_memory
+from utils.logging_utils import setup_logging
+from utils.memory import MemoryTracker
 from utils.metrics import latitude_weights, relative_l2_loss, weighted_acc_channels, weighted_rmse_channels
 from utils.plots import prediction_figure
 from utils.profiling import ProfilerWindow, nvtx_range
+from utils.reporting import Reporter, claim_run_dir, run_record, tensorboard_tag
+from utils.schema import Config, EvaluationConfig, OptimConfig, batch_sizes
 
 log = logging.getLogger(__name__)
 
-def batch_sizes(params, dp: int) -> tuple[int, int]:
-    """(local micro-batch per data-parallel rank, global batch per optimizer step).
 
-    ``global = local * dp * grad_accum_steps``. ``local_batch_size``, when set, wins.
-    Raises UserError when the global batch does not divide over the ranks and micro-steps.
-    """
-    k = params.grad_accum_steps
-    if k < 1:
-        raise UserError(f"--grad_accum_steps must be >= 1, got {k}")
-    if params.local_batch_size:
-        return params.local_batch_size, params.local_batch_size * dp * k
-    gbs = params.global_batch_size
-    if gbs % (dp * k):
-        raise UserError(f"global_batch_size {gbs} is not divisible by data-parallel size {dp} x "
-                        f"grad_accum_steps {k}; pick a multiple of {dp * k} or set --local_batch_size")
-    return gbs // (dp * k), gbs
-
-
-def lr_lambda(params):
+def lr_lambda(optim: OptimConfig):
     """Multiplier of the base lr at optimizer step s: linear warmup, then cosine to 0 (or constant)."""
-    warmup, total = params.warmup, max(1, params.num_iters)
+    warmup, total = optim.warmup, max(1, optim.num_iters)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if params.lr_schedule == "constant":
+        if optim.lr_schedule == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return factor
 
 
-def set_attention_backend(name: str, device: torch.device, head_dim: int) -> None:
+def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> None:
     """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it).
 
-    Only CUDA backends are selectable; on CPU PyTorch keeps its own choice. Raises UserError
-    when the backend cannot run this head size on this device.
+    Only CUDA backends are selectable; on CPU PyTorch keeps its own choice. The startup probe runs
+    in the run's compute ``dtype`` (the AMP dtype, else float32). Raises UserError when the backend
+    cannot run this head size and dtype on this device.
     """
     if name == "auto" or device.type != "cuda":
         return
@@ -82,15 +68,15 @@ def set_attention_backend(name: str, device: torch.device, head_dim: int) -> Non
              "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
     for key, enable in flags.items():
         enable(key == name)
-    q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=dtype)
     try:
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
     except RuntimeError:
-        raise UserError(f"--attention_backend {name} cannot run head dim {head_dim} on "
+        raise UserError(f"--attention_backend {name} cannot run head dim {head_dim} in {str(dtype)[6:]} on "
                         f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
 
 
-def _all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
+def all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
                 op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce in place over mesh dimension ``dim`` (``dp``, ...) or over all ranks when None."""
     size = world.world_size if dim is None else getattr(world, dim)
@@ -101,85 +87,124 @@ def _all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
 
 
 class Trainer:
-    """Owns model, optimizer, data and logging for one run; :meth:`train` runs it."""
+    """Owns model, optimizer, data and reporting for one run; :meth:`train` runs it, :meth:`close` ends it.
 
-    def __init__(self, params, world: World):
-        self.params, self.world, self.device = params, world, world.device
-        self.local_bs, self.global_bs = batch_sizes(params, world.dp)
-        self.accum = params.grad_accum_steps
-        self.run_dir = run_directory(params, world.world_size) if world.is_main else None
-        setup_logging(self.run_dir / "out.log" if self.run_dir else None, world.rank)
+    Construction checks everything that depends on the data, the device and the world (channels,
+    split sizes, attention kernel) before the run directory is created, so bad input leaves
+    nothing on disk.
+    """
+
+    def __init__(self, cfg: Config, world: World):
+        self.cfg, self.world, self.device = cfg, world, world.device
+        self.local_bs, self.global_bs = batch_sizes(cfg.optim, world.dp)
+        self.accum = cfg.optim.grad_accum_steps
+        self.data: Data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed)
+        self.key_channels, self.plot_channel = pick_channels(cfg.evaluation, self.data.channel_names)
+        self.steps_per_epoch = self._steps_per_epoch()
+        self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
+        set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
+                              self.amp_dtype or torch.float32)
+        # nothing above writes to disk: a bad input stops the run before its directory exists
+        self.run_dir = broadcast_from_main(
+            claim_run_dir(cfg.logging, cfg.name, world.world_size) if world.is_main else None, world)
+        setup_logging(self.run_dir / "out.log" if world.is_main else None, world.rank)
         log.info("rank %d/%d on %s (launcher %s): dp=%d cp=%d tp=%d, local batch %d, global batch %d",
                  world.rank, world.world_size, self.device, world.env.launcher, world.dp, world.cp, world.tp,
                  self.local_bs, self.global_bs)
         if world.world_size > 1 and not world.is_main:
             print(f"rank {world.rank}/{world.world_size} on {self.device} ready", flush=True)
-        if self.run_dir:
-            (self.run_dir / "config.yaml").write_text(params.to_yaml())
-        self.data: Data = build_data(params, self.local_bs, world.dp_rank, world.dp, self.device)
+        self.reporter = Reporter(cfg.logging, self.run_dir if world.is_main else None, self.key_channels)
         self._build_model()
-        self.writer = SummaryWriter(log_dir=str(self.run_dir)) if self.run_dir else None
         self.memory = MemoryTracker(self.device)
-        self.profiler = ProfilerWindow(params.profile_epoch, params.profile_start_step, params.profile_steps,
-                                       world.rank)
+        lg = cfg.logging
+        self.profiler = ProfilerWindow(lg.profile_epoch, lg.profile_start_step, lg.profile_steps, world.rank)
         self.lat_weights = latitude_weights(self.data.latitude, self.device)
-        self.flops_per_sample = vit_flops_per_sample(params)
-        self.peak_flops = peak_flops(self.device, params.amp_mode)
+        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
+        self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.step = 0
         self.data_wait = 0.0
+        self.last_loss: tuple[int, float] | None = None  # (iteration, loss) of the last step read back
+        self.reporter.start(run_record(cfg.name, cfg.flat(), self._world_info()), to_yaml(cfg), self._metric_tags())
+
+    def _steps_per_epoch(self) -> int:
+        steps = len(self.data.train) // self.accum
+        if steps == 0:
+            raise UserError(f"an epoch has fewer micro-batches ({len(self.data.train)}) than --grad_accum_steps "
+                            f"{self.accum}; lower it or use more samples")
+        return steps
 
     def _build_model(self) -> None:
-        p = self.params
-        torch.manual_seed(p.seed)  # identical initial weights on every rank
-        set_attention_backend(p.attention_backend, self.device, p.embed_dim // p.num_heads)
+        cfg = self.cfg
+        torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
+        build = partial(build_model, cfg.model, cfg.data)
         with torch.device("meta"):  # counted without allocating
-            n_params = sum(t.numel() for t in build_model(p).parameters())
-        log.info("model: ViT embed %d depth %d heads %d patch %d, %.2fM parameters", p.embed_dim, p.depth,
-                 p.num_heads, p.patch_size, n_params / 1e6)
-        self.model = build_parallel_model(p, self.world, build_model)
-        fused = p.enable_fused and self.device.type in ("cuda", "cpu")
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=p.lr, betas=tuple(p.betas),
-                                          weight_decay=p.weight_decay, fused=fused or None)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(p))
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=p.amp_mode == "fp16")
-        self.amp_dtype = AMP_DTYPES[p.amp_mode]
+            n_params = sum(t.numel() for t in build().parameters())
+        m = cfg.model
+        log.info("model: %s embed %d depth %d heads %d patch %d, %.2fM parameters", m.nettype, m.embed_dim, m.depth,
+                 m.num_heads, m.patch_size, n_params / 1e6)
+        self.model = build_parallel_model(build, cfg.parallel, cfg.precision, self.world, self.accum)
+        opt, prec = cfg.optim, cfg.precision
+        fused = prec.enable_fused and self.device.type in ("cuda", "cpu")
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                          weight_decay=opt.weight_decay, fused=fused or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=prec.amp_mode == "fp16")
         # Eager, the loss and its backward are ~10 passes over full-resolution fields (~4 % of an
         # H100 step at short_opt); compiled, they fuse into a few kernels.
-        self.loss_fn = torch.compile(relative_l2_loss) if p.enable_jit else relative_l2_loss
+        self.loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
+
+    def _world_info(self) -> dict:
+        w = self.world
+        devices = [torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"]
+        if dist.is_initialized() and w.world_size > 1:
+            gathered: list = [None] * w.world_size
+            dist.all_gather_object(gathered, devices[0])
+            devices = gathered
+        return {"world_size": w.world_size, "mesh": {"dp": w.dp, "cp": w.cp, "tp": w.tp},
+                "launcher": w.env.launcher, "devices": devices}
+
+    def _metric_tags(self) -> list[str]:
+        memory = "memory/peak_allocated" if self.device.type == "cuda" else "memory/peak_rss"
+        tags = ["loss/train", "loss/valid", tensorboard_tag("samples_per_s"), memory]
+        if self.peak_flops:
+            tags.append(tensorboard_tag("mfu"))
+        return tags + [f"rmse/{k}" for k in self.key_channels]
 
     def autocast(self):
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
+    def close(self, error: BaseException | None = None) -> None:
+        """End the run: stop allocator recording, close the writers and mark ``run.json``."""
+        if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.reporter.close(error)
+
     # ---------------------------------------------------------------- training
     def train(self) -> dict:
-        """Run ``num_iters`` optimizer steps; returns the last epoch's report."""
-        p = self.params
-        steps_per_epoch = len(self.data.train) // self.accum
-        if steps_per_epoch == 0:
-            raise UserError(f"an epoch has fewer micro-batches ({len(self.data.train)}) than --grad_accum_steps "
-                            f"{self.accum}; lower it or use more samples")
-        n_epochs = math.ceil(p.num_iters / steps_per_epoch)
+        """Run ``num_iters`` optimizer steps; returns the last epoch's record."""
+        opt = self.cfg.optim
+        steps_per_epoch = self.steps_per_epoch
+        n_epochs = math.ceil(opt.num_iters / steps_per_epoch)
         log.info("training %d iterations: %d epochs of %d steps (%d samples/epoch); run directory %s",
-                 p.num_iters, n_epochs, steps_per_epoch, steps_per_epoch * self.global_bs, self.run_dir)
-        if p.memory_snapshot and self.device.type == "cuda":
+                 opt.num_iters, n_epochs, steps_per_epoch, steps_per_epoch * self.global_bs, self.run_dir)
+        if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100000)
-        report: dict = {}
+        record: dict = {}
         for epoch in range(n_epochs):
-            report = self.train_epoch(epoch, min(steps_per_epoch, p.num_iters - self.step))
-            if (epoch + 1) % p.valid_every == 0 or epoch == n_epochs - 1:
-                report.update(self.validate(epoch))
-            self.log_epoch(epoch, n_epochs, report)
+            record = self.train_epoch(epoch, min(steps_per_epoch, opt.num_iters - self.step))
+            if (epoch + 1) % self.cfg.evaluation.valid_every == 0 or epoch == n_epochs - 1:
+                record.update(self.validate(epoch))
+            self.reporter.epoch(record, n_epochs)
             if epoch == 0:
                 self._dump_memory_snapshot()
-            if p.save_checkpoint:
+            if self.cfg.checkpoint.save_checkpoint:
                 self.save_checkpoint(epoch)
-        if self.writer:
-            self.writer.close()
-        return report
+        return record
 
     def train_epoch(self, epoch: int, n_steps: int) -> dict:
+        """Train ``n_steps`` optimizer steps; returns the epoch's flat record (throughput, loss, memory)."""
         self.model.train()
         self.data.train.set_epoch(epoch)
         self.memory.start_epoch()
@@ -199,7 +224,7 @@ class Trainer:
                 self._check_finite(pending)
             pending = check
             self.step += 1
-            self._progress_update(bar, step, n_steps, epoch, check["loss"])
+            self._progress_update(bar, step, n_steps, epoch)
         if pending is not None:
             self._check_finite(pending)
         self.profiler.close(epoch, n_steps)
@@ -207,14 +232,15 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        loss = _all_reduce(loss_sum, self.world, "dp").item() / max(1, n_steps * self.world.dp)
-        samples = n_steps * self.global_bs
-        report = {"epoch_time": elapsed, "samples_per_s": samples / elapsed, "train_loss": loss,
-                  "data_wait_share": self.data_wait / elapsed,
-                  "lr": self.optimizer.param_groups[0]["lr"], "memory": self.memory.end_epoch()}
+        loss = all_reduce(loss_sum, self.world, "dp").item() / max(1, n_steps * self.world.dp)
+        samples_per_s = n_steps * self.global_bs / elapsed
+        record = {"epoch": epoch, "iteration": self.step, "epoch_time_s": elapsed, "samples_per_s": samples_per_s,
+                  "data_wait_share": self.data_wait / elapsed, "lr": self.optimizer.param_groups[0]["lr"],
+                  "loss/train": loss}
         if self.peak_flops:
-            report["mfu"] = report["samples_per_s"] * self.flops_per_sample / (self.peak_flops * self.world.world_size)
-        return report
+            record["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
+        record.update({f"memory/{k}": v for k, v in self.memory.end_epoch().items()})
+        return record
 
     def train_step(self, batches) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns tensors for the late check."""
@@ -235,168 +261,177 @@ class Trainer:
             loss_total += loss.detach()
         with nvtx_range("optimizer"):
             self._optimizer_step()
-        return {"loss": loss_total, "indices": indices, "step": self.step, **self._queue_finite_flag(loss_total)}
+        return {"loss": loss_total, "indices": indices, "step": self.step, **self._queue_readback(loss_total)}
 
     def _optimizer_step(self) -> None:
         reduce_replicated_gradients(self.model)
-        if self.params.max_grad_norm > 0:
+        if self.cfg.optim.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
-            clip_grad_norm(self.model, self.params.max_grad_norm)
+            clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def _queue_finite_flag(self, loss: torch.Tensor) -> dict:
-        """Enqueue the step's non-finite-loss flag, max over ranks, and its copy to the host.
+    def _queue_readback(self, loss: torch.Tensor) -> dict:
+        """Enqueue the step's non-finite-loss flag (max over ranks) and its loss, and their copy to the host.
 
         Enqueued at the end of the step and read one step later (:meth:`_check_finite`), so the host
         waits only for a step the GPU has already finished: a read right after enqueueing would
         drain the queue every step and idle the GPU while the next step is launched. NaN/Inf in an
-        input or target always makes the loss non-finite, so the data are scanned only then.
+        input or target always makes the loss non-finite, so the data are scanned only then. The
+        progress line prints this host copy of the loss, never the just-queued one.
         """
-        flag = _all_reduce((~torch.isfinite(loss)).float(), self.world, op=dist.ReduceOp.MAX)
+        flag = all_reduce((~torch.isfinite(loss)).float(), self.world, op=dist.ReduceOp.MAX)
+        values = torch.stack([flag, loss])
         if self.device.type != "cuda":
-            return {"flag": flag, "flag_ready": None}
+            return {"host": values, "ready": None}
         ready = torch.cuda.Event()
-        host = flag.to("cpu", non_blocking=True)  # lands in pinned memory
+        host = values.to("cpu", non_blocking=True)  # lands in pinned memory
         ready.record()
-        return {"flag": host, "flag_ready": ready}
+        return {"host": host, "ready": ready}
 
     def _check_finite(self, check: dict) -> None:
         """Stop with NonFiniteError if a step's loss was NaN/Inf on any rank, naming bad samples if any.
 
         Every rank sees the same (all-reduced) flag, so all of them enter the collective below.
         """
-        if check["flag_ready"] is not None:
-            check["flag_ready"].synchronize()
-        if not check["flag"].item():
+        if check["ready"] is not None:
+            check["ready"].synchronize()
+        flag, loss = check["host"].tolist()
+        self.last_loss = (check["step"], loss)
+        if not flag:
             return
-        step = check["step"]
-        local = self.data.find_nonfinite(torch.cat(check["indices"]).tolist())
-        anywhere = _all_reduce(torch.tensor(float(len(local)), device=self.device), self.world,
-                               op=dist.ReduceOp.MAX).item()
-        if anywhere:
-            where = "; ".join(local) or "a sample on another rank"
-            raise NonFiniteError(f"NaN/Inf in the training data at step {step}: {where}; "
+        bad = self._nonfinite_samples(torch.cat(check["indices"]).tolist(), "train")
+        if bad:
+            raise NonFiniteError(f"NaN/Inf in the training data at step {check['step']}: {bad}; "
                                  "fix or exclude that file (re-run the converter, check for missing values)")
-        raise NonFiniteError(f"training loss became NaN/Inf at step {step} with finite data; lower --lr, set "
+        raise NonFiniteError(f"training loss became NaN/Inf at step {check['step']} with finite data; lower --lr, set "
                              "--max_grad_norm 1.0, add --warmup, or use --amp_mode bf16 instead of fp16")
+
+    def _nonfinite_samples(self, indices: list[int], split: str) -> str:
+        """Origins of NaN/Inf samples among this rank's ``indices``, or ``""`` when every rank's are finite.
+
+        Collective: every rank scans its own samples and the ranks agree on the verdict.
+        """
+        local = self.data.find_nonfinite(indices, split)
+        anywhere = all_reduce(torch.tensor(float(len(local)), device=self.device), self.world,
+                              op=dist.ReduceOp.MAX).item()
+        return ("; ".join(local) or "a sample on another rank") if anywhere else ""
 
     # ---------------------------------------------------------------- validation
     @torch.no_grad()
     def validate(self, epoch: int) -> dict:
-        """Validation loss and lat-weighted RMSE (physical units) / ACC per channel, plus persistence RMSE."""
+        """Validation loss and lat-weighted RMSE (physical units) / ACC per channel, plus persistence.
+
+        Raises:
+            NonFiniteError: the metrics are NaN/Inf (naming the validation samples holding NaN/Inf).
+        """
         self.model.eval()
         std, clim = self.data.stats.std.view(1, -1), self.data.stats.clim
         c = std.shape[1]
         sums = torch.zeros(4 * c + 2, device=self.device)  # rmse, acc, persistence rmse, persistence acc, loss, n
         first = None
-        for inp, tar, _ in self.data.valid:
+        finite, seen = [], []  # per sample: are its metrics finite (device), and its index (host)
+        for inp, tar, idx in self.data.valid:
             with nvtx_range("validation"), self.autocast():
                 pred = self.model(inp)
             pred = pred.float()
-            b = inp.shape[0]
-            sums[:c] += (weighted_rmse_channels(pred, tar, self.lat_weights) * std).sum(0)
+            rmse = weighted_rmse_channels(pred, tar, self.lat_weights) * std
+            persistence = weighted_rmse_channels(inp, tar, self.lat_weights) * std
+            sums[:c] += rmse.sum(0)
             sums[c:2 * c] += weighted_acc_channels(pred, tar, clim, self.lat_weights).sum(0)
-            sums[2 * c:3 * c] += (weighted_rmse_channels(inp, tar, self.lat_weights) * std).sum(0)
+            sums[2 * c:3 * c] += persistence.sum(0)
             sums[3 * c:4 * c] += weighted_acc_channels(inp, tar, clim, self.lat_weights).sum(0)
-            sums[-2] += relative_l2_loss(pred, tar) * b
-            sums[-1] += b
+            sums[-2] += relative_l2_loss(pred, tar) * inp.shape[0]
+            sums[-1] += inp.shape[0]
+            finite.append(torch.isfinite(rmse + persistence).all(1))
+            seen.append(idx)
             if first is None:
                 first = (pred[0].clone(), tar[0].clone())  # loader buffers are reused
-        _all_reduce(sums, self.world, "dp")
-        n = max(1.0, sums[-1].item())
-        values = (sums / n).tolist()
+        all_reduce(sums, self.world, "dp")
+        values = (sums / sums[-1].clamp_min(1)).tolist()
+        if not math.isfinite(sum(values)):
+            self._raise_nonfinite_validation(torch.cat(seen), torch.cat(finite).cpu())
         names = self.data.channel_names
-        out = {"valid_loss": values[-2], "valid_samples": int(sums[-1].item()),
-               "rmse": dict(zip(names, values[:c])), "acc": dict(zip(names, values[c:2 * c])),
-               "persistence_rmse": dict(zip(names, values[2 * c:3 * c])),
-               "persistence_acc": dict(zip(names, values[3 * c:4 * c]))}
-        if self.writer and first is not None:
+        out = {"loss/valid": values[-2], "valid_samples": int(sums[-1].item())}
+        for offset, prefix in enumerate(("rmse", "acc", "rmse_persistence", "acc_persistence")):
+            out.update({f"{prefix}/{n}": v for n, v in zip(names, values[offset * c:(offset + 1) * c])})
+        if self.world.is_main and first is not None:
             self._log_figure(epoch, *first)
         return out
 
+    def _raise_nonfinite_validation(self, indices: torch.Tensor, finite: torch.Tensor) -> None:
+        bad = self._nonfinite_samples(indices[~finite].tolist(), "valid")
+        if bad:
+            raise NonFiniteError(f"NaN/Inf in the validation data: {bad}; fix or exclude that file "
+                                 "(re-run the converter, check for missing values)")
+        raise NonFiniteError("validation metrics are NaN/Inf with finite data: the model's predictions overflow; "
+                             "lower --lr, set --max_grad_norm 1.0, or use --amp_mode bf16 instead of fp16")
+
     def _log_figure(self, epoch: int, pred: torch.Tensor, tar: torch.Tensor) -> None:
         names = self.data.channel_names
-        ch = names.index(self.params.plot_channel) if self.params.plot_channel in names else 0
+        ch = names.index(self.plot_channel)
         mean, std = self.data.stats.mean[0, ch], self.data.stats.std[0, ch]
         to_np = lambda x: (x[ch] * std + mean).float().cpu().numpy()  # noqa: E731
-        fig = prediction_figure(to_np(pred), to_np(tar), names[ch])
-        self.writer.add_figure(f"prediction({names[ch]})/valid", fig, global_step=epoch)
+        self.reporter.figure(f"prediction({names[ch]})/valid", prediction_figure(to_np(pred), to_np(tar), names[ch]),
+                             epoch)
 
-    # ---------------------------------------------------------------- reporting
-    def log_epoch(self, epoch: int, n_epochs: int, r: dict) -> None:
-        if not self.world.is_main:
-            return
-        keys = self.params.key_channels or self.data.channel_names[:4]
-        line = (f"epoch {epoch + 1}/{n_epochs} | {r['epoch_time']:.2f} s | {r['samples_per_s']:.1f} samples/s"
-                + (f" | MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
-                + f" | data wait {100 * r['data_wait_share']:.0f}% | train loss {r['train_loss']:.4f}")
-        if "valid_loss" in r:
-            line += f" | valid loss {r['valid_loss']:.4f}"
-            line += " | RMSE " + " ".join(f"{k} {r['rmse'][k]:.4g} (persistence {r['persistence_rmse'][k]:.4g})"
-                                          for k in keys if k in r["rmse"])
-        log.info(line)
-        log.info(format_memory(r["memory"]))
-        self._tensorboard(epoch, r)
-        with open(self.run_dir / "metrics.jsonl", "a") as f:  # machine-readable, for benchmarks and run comparison
-            f.write(json.dumps({"epoch": epoch, "iteration": self.step, **r}) + "\n")
-
-    def _tensorboard(self, epoch: int, r: dict) -> None:
-        w, step = self.writer, self.step
-        w.add_scalar("loss/train", r["train_loss"], step)
-        w.add_scalar("lr", r["lr"], step)
-        w.add_scalar("perf/samples_per_s", r["samples_per_s"], step)
-        w.add_scalar("perf/epoch_time_s", r["epoch_time"], step)
-        w.add_scalar("perf/data_wait_share", r["data_wait_share"], step)
-        if "mfu" in r:
-            w.add_scalar("perf/mfu", r["mfu"], step)
-        for key, value in r["memory"].items():
-            if not key.endswith("_rank"):
-                w.add_scalar(f"memory/{key}", value, step)
-        if "valid_loss" in r:
-            w.add_scalar("loss/valid", r["valid_loss"], step)
-            for name in r["rmse"]:
-                w.add_scalar(f"RMSE({name})/valid", r["rmse"][name], step)
-                w.add_scalar(f"ACC({name})/valid", r["acc"][name], step)
-                w.add_scalar(f"RMSE({name})/persistence", r["persistence_rmse"][name], step)
-                w.add_scalar(f"ACC({name})/persistence", r["persistence_acc"][name], step)
-        w.flush()
-
+    # ---------------------------------------------------------------- progress
     def _progress(self, n_steps: int, epoch: int):
         # batch jobs (SLURM) get plain lines even when srun hands them a terminal
         if self.world.is_main and sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ:
             return tqdm(total=n_steps, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
         return None
 
-    def _progress_update(self, bar, step: int, n_steps: int, epoch: int, loss: torch.Tensor) -> None:
+    def _progress_update(self, bar, step: int, n_steps: int, epoch: int) -> None:
         if bar is not None:
             bar.update(1)
-        elif self.world.is_main and ((step + 1) % self.params.log_every == 0 or step + 1 == n_steps):
-            log.info("epoch %d step %d/%d (iteration %d) loss %.4f", epoch + 1, step + 1, n_steps, self.step,
-                     loss.item())
+        elif (step + 1) % self.cfg.logging.log_every == 0 or step + 1 == n_steps:
+            # the loss already read back for the finiteness check: printing it costs no GPU sync
+            text = f"epoch {epoch + 1} step {step + 1}/{n_steps} (iteration {self.step})"
+            if self.last_loss is not None:
+                text += f" loss {self.last_loss[1]:.4f} (iteration {self.last_loss[0] + 1})"
+            self.reporter.progress(text)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _dump_memory_snapshot(self) -> None:
-        if not (self.params.memory_snapshot and self.device.type == "cuda"):
+        if not (self.cfg.logging.memory_snapshot and self.device.type == "cuda"):
             return
-        path = Path(self.params.expdir) / f"memory_snapshot_rank{self.world.rank}.pickle"
-        if self.run_dir:
-            path = self.run_dir / path.name
+        path = self.run_dir / f"memory_snapshot_rank{self.world.rank}.pickle"
         torch.cuda.memory._dump_snapshot(str(path))
         torch.cuda.memory._record_memory_history(enabled=None)
         log.info("memory snapshot written to %s (open at https://pytorch.org/memory_viz)", path)
 
     def save_checkpoint(self, epoch: int) -> None:
         """Full-layout model (loadable on one device) at ``<run_dir>/checkpoints/model.pt``; collective."""
-        path = (self.run_dir or Path(".")) / "checkpoints" / "model.pt"
-        save_full_model(self.model, path, {"epoch": epoch, "iteration": self.step, "params": dict(self.params)})
+        save_full_model(self.model, self.run_dir / "checkpoints" / "model.pt",
+                        {"epoch": epoch, "iteration": self.step, "config": self.cfg.flat()})
 
 
-def run(params, world: World) -> dict:
-    """Build the trainer for ``params`` on ``world`` and train; returns the last epoch's report."""
-    return Trainer(params, world).train()
+def pick_channels(cfg: EvaluationConfig, names: list[str]) -> tuple[list[str], str]:
+    """(key channels, plot channel) from the evaluation config, defaulting to the first four / the first.
+
+    Raises:
+        UserError: a configured channel is not in the data.
+    """
+    for name in (*cfg.key_channels, *([cfg.plot_channel] if cfg.plot_channel is not None else [])):
+        if name not in names:
+            raise UserError(f"channel {name!r} (--key_channels / --plot_channel) is not in the data, whose "
+                            f"channels are {', '.join(names)}; pick from those")
+    return list(cfg.key_channels) or names[:4], cfg.plot_channel or names[0]
+
+
+def run(cfg: Config, world: World) -> dict:
+    """Build the trainer for ``cfg`` on ``world``, train and close it; returns the last epoch's record."""
+    trainer = Trainer(cfg, world)
+    try:
+        record = trainer.train()
+    except BaseException as exc:
+        trainer.close(exc)
+        raise
+    trainer.close()
+    return record

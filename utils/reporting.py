@@ -1,0 +1,220 @@
+"""Run directory and reporting: one flat record per epoch -> console, TensorBoard, ``metrics.jsonl``.
+
+The run directory ``<expdir>/<config>/<N>GPU/<run_num>/`` belongs to one run: :func:`claim_run_dir`
+creates it atomically and refuses one that already holds a run. Rank 0 writes everything here:
+
+* ``run.json``: what produced the run (command line, git commit and dirty flag, versions, devices,
+  world size and mesh, launcher, resolved config) and its status, rewritten atomically at the end;
+* ``config.yaml``: the resolved config, loadable with ``--yaml_config``;
+* ``out.log``: the console lines;
+* ``metrics.jsonl``: one flat JSON record per epoch (``loss/train``, ``rmse/<channel>``,
+  ``memory/peak_allocated``, ``samples_per_s``, ...);
+* TensorBoard events: every numeric record key as a scalar, plus an HParams entry (the resolved
+  config and the final metrics) so the HParams tab compares runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from utils.errors import UserError
+from utils.memory import format_memory
+from utils.schema import LoggingConfig
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
+# record keys that are not scalars of the run (axes, or which rank had a maximum)
+NOT_SCALARS = ("epoch", "iteration", "elapsed_s")
+
+
+def run_parent(logging_cfg: LoggingConfig, config_name: str, world_size: int) -> Path:
+    """``<expdir>/<config>/<N>GPU``: the folder of this config's runs at this world size."""
+    return Path(logging_cfg.expdir) / config_name / f"{world_size}GPU"
+
+
+def claim_run_dir(logging_cfg: LoggingConfig, config_name: str, world_size: int) -> Path:
+    """Create this run's directory; ``run_num`` ``auto`` takes the next free number (00, 01, ...).
+
+    Raises:
+        UserError: the directory already holds a run (a second run never appends to it), or it
+            cannot be created.
+    """
+    parent = run_parent(logging_cfg, config_name, world_size)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if logging_cfg.run_num != "auto":
+            return _claim(parent / logging_cfg.run_num)
+        while True:  # another job may claim the same number between the scan and mkdir
+            taken = [int(p.name) for p in parent.iterdir() if re.fullmatch(r"\d+", p.name)]
+            try:
+                return _claim(parent / f"{max(taken, default=-1) + 1:02d}", auto=True)
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise UserError(f"cannot create run directory under {parent} ({exc.strerror or exc}); "
+                        "pass a writable --expdir") from None
+
+
+def _claim(path: Path, auto: bool = False) -> Path:
+    if path.is_dir() and not any(path.iterdir()):
+        return path  # made by hand, empty: nothing to mix with
+    try:
+        path.mkdir()
+    except FileExistsError:
+        if auto:
+            raise
+        raise UserError(f"run directory {path} already holds a run; pass a new --run_num (or --run_num auto "
+                        "for the next free one), or move that directory away") from None
+    return path
+
+
+# ---------------------------------------------------------------- run record
+def git_state() -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the checkout holding this code."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def versions() -> dict[str, str | None]:
+    """Python, torch, CUDA, cuDNN, NCCL and DALI versions (None where absent)."""
+    import torch
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                  "cuda": torch.version.cuda, "cudnn": None, "nccl": None, "dali": None}
+    if torch.backends.cudnn.is_available():
+        out["cudnn"] = str(torch.backends.cudnn.version())
+    if torch.cuda.is_available():
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    for dist_name in ("nvidia-dali-cuda120", "nvidia-dali-cuda130"):
+        try:
+            out["dali"] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def run_record(config_name: str, flat_config: dict, world_info: dict) -> dict[str, Any]:
+    """The first ``run.json``: what produced this run. ``world_info`` has world size, mesh,
+    launcher and the device of each rank."""
+    return {"config_name": config_name, "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+            "started": _now(), "finished": None, "status": "running", "error": None,
+            "git": git_state(), "versions": versions(), "host": platform.node(), **world_info,
+            "config": flat_config}
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write JSON to a temporary file and rename it, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- reporter
+def tensorboard_tag(key: str) -> str:
+    """TensorBoard tag of a record key: sectioned keys as they are, throughput under ``perf/``."""
+    return key if "/" in key or key == "lr" else f"perf/{key}"
+
+
+def hparam_value(value: Any) -> bool | int | float | str:
+    """HParams accept numbers, booleans and strings: lists and null become text."""
+    if value is None or isinstance(value, (list, tuple)):
+        return json.dumps(value)
+    return value
+
+
+class Reporter:
+    """Rank 0's outputs for one run. Lifecycle: :meth:`start`, then :meth:`epoch` per epoch and
+    :meth:`progress` per step, then :meth:`close` (on success and on error).
+
+    Other ranks get a Reporter with ``run_dir=None``: every method is then a no-op.
+    """
+
+    def __init__(self, cfg: LoggingConfig, run_dir: Path | None, key_channels: list[str]):
+        self.cfg, self.run_dir, self.key_channels = cfg, run_dir, key_channels
+        self.writer = None
+        self.record: dict[str, Any] = {}
+        self.t0 = time.perf_counter()
+
+    def start(self, record: dict[str, Any], config_yaml: str, metric_tags: list[str]) -> None:
+        """Write ``run.json``, ``config.yaml`` and the HParams entry (the resolved config, with
+        ``metric_tags`` as the metrics the HParams tab shows)."""
+        self.t0 = time.perf_counter()
+        if self.run_dir is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+        self.record = record
+        write_json_atomic(self.run_dir / "run.json", record)
+        (self.run_dir / "config.yaml").write_text(config_yaml)
+        self.writer = SummaryWriter(log_dir=str(self.run_dir))
+        hp = {k: hparam_value(v) for k, v in record["config"].items()}
+        hp.update(world_size=record["world_size"], **{f"mesh_{k}": v for k, v in record["mesh"].items()})
+        for summary in hparams(hp, {tag: 0.0 for tag in metric_tags}):
+            self.writer.file_writer.add_summary(summary)
+
+    def progress(self, text: str) -> None:
+        if self.run_dir is not None:
+            log.info(text)
+
+    def epoch(self, record: dict[str, Any], n_epochs: int) -> None:
+        """Report one epoch: the console line, TensorBoard scalars and a ``metrics.jsonl`` line."""
+        if self.run_dir is None:
+            return
+        record = {**record, "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+        log.info(self.epoch_line(record, n_epochs))
+        log.info(format_memory({k[len("memory/"):]: v for k, v in record.items() if k.startswith("memory/")}))
+        step = record["iteration"]
+        for key, value in record.items():
+            if key not in NOT_SCALARS and not key.endswith("_rank") and isinstance(value, (int, float)):
+                self.writer.add_scalar(tensorboard_tag(key), value, step)
+        self.writer.flush()
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def epoch_line(self, r: dict[str, Any], n_epochs: int) -> str:
+        line = (f"epoch {r['epoch'] + 1}/{n_epochs} | {r['epoch_time_s']:.2f} s | {r['samples_per_s']:.1f} samples/s"
+                + (f" | MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+                + f" | data wait {100 * r['data_wait_share']:.0f}% | train loss {r['loss/train']:.4f}")
+        if "loss/valid" in r:
+            line += f" | valid loss {r['loss/valid']:.4f} | RMSE " + " ".join(
+                f"{k} {r[f'rmse/{k}']:.4g} (persistence {r[f'rmse_persistence/{k}']:.4g})" for k in self.key_channels)
+        return line
+
+    def figure(self, tag: str, fig, epoch: int) -> None:
+        if self.writer is not None:
+            self.writer.add_figure(tag, fig, global_step=epoch)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Flush and close the writer; mark ``run.json`` completed or failed (with the error)."""
+        if self.run_dir is None or not self.record:
+            return
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        status = "completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        self.record.update(finished=_now(), status=status, wall_s=round(time.perf_counter() - self.t0, 1),
+                           error=None if error is None else str(error) or type(error).__name__)
+        write_json_atomic(self.run_dir / "run.json", self.record)
