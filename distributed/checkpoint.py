@@ -49,16 +49,26 @@ def save_full_model(model: nn.Module, path: str | Path, extra: dict | None = Non
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # through a Python file, so a full disk surfaces as OSError(ENOSPC) and not as the zip
-        # writer's "unexpected pos" RuntimeError
+        # through a Python file, so a full disk raises OSError(ENOSPC) (behind the zip writer's
+        # "unexpected pos" RuntimeError) instead of a bare RuntimeError
         with open(tmp, "wb") as f:
             torch.save({"model": state, **(extra or {})}, f)
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
+        cause = _os_error(exc)
+        if cause is None:
+            raise
         tmp.unlink(missing_ok=True)
-        raise UserError(f"writing checkpoint {path} failed: {exc.strerror or exc} ({_free_space(path.parent)}); "
-                        "the previous checkpoint is kept: free space or pass --expdir on a larger filesystem "
+        raise UserError(f"writing checkpoint {path} failed: {cause.strerror or cause} ({_free_space(path.parent)}); "
+                        "any previous checkpoint is kept: free space or pass --expdir on a larger filesystem "
                         "(or --save_checkpoint false)") from None
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind ``exc`` (itself, or the one it was raised while handling), if any."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 def _free_space(directory: Path) -> str:

@@ -198,8 +198,10 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
     store = None
     if not dist.is_initialized():
         store = rendezvous(env, parallel.rendezvous_timeout)
+        timeout = timedelta(seconds=parallel.collective_timeout)
+        store.set_timeout(timeout)  # the store's own waits (NCCL's id exchange) follow the collectives'
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(seconds=parallel.collective_timeout),
+                                world_size=env.world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     shard = 0
     if parallel.fsdp == "hsdp":

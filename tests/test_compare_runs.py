@@ -84,11 +84,17 @@ def run_main(capsys, *argv):
 
 
 def parse_table(text: str) -> tuple[list[str], dict[str, dict[str, str]]]:
-    """Header cells and {run name: {header: cell}} of the table (cells are separated by 2+ spaces)."""
+    """Header names and {run name: {header: cell}} of the table (cells are separated by 2+ spaces).
+
+    Two-word headers are on two lines, right-aligned like the numbers below them: a word on the top
+    line belongs to the column that ends where it ends."""
     lines = [line for line in text.splitlines() if line and not line.startswith("wrote ")]
-    header = re.split(r" {2,}", lines[0].strip())
+    n_header = 1 if lines[0].startswith("run ") else 2
+    tops = {m.end(): m.group() for m in re.finditer(r"\S+", lines[0])} if n_header == 2 else {}
+    header = [f"{tops[m.end()]} {m.group()}" if m.end() in tops else m.group()
+              for m in re.finditer(r"\S+", lines[n_header - 1])]
     rows = {}
-    for line in lines[1:]:
+    for line in lines[n_header:]:
         cells = re.split(r" {2,}", line.strip())
         assert len(cells) == len(header), line
         rows[cells[0]] = dict(zip(header, cells))
@@ -102,7 +108,7 @@ def expected(world_size: int, lr: float, channels=CHANNELS) -> dict:
             "valid_loss": 2.0 / 3 / scale, "rmse": {c: (channels.index(c) + 1) * 10.0 / 3 / scale for c in COMMON}}
 
 
-def test_table_has_only_differing_keys_and_the_right_values(expdir, tmp_path, capsys):
+def test_table_and_plots(expdir, tmp_path, capsys):
     rc, out, err = run_main(capsys, "--expdir", expdir, "--out", tmp_path / "plots")
     assert rc == 0 and err == ""
     header, rows = parse_table(out)
@@ -110,7 +116,7 @@ def test_table_has_only_differing_keys_and_the_right_values(expdir, tmp_path, ca
     assert header == ["run", "lr", "world_size", "samples/s", "MFU", "peak GiB", "retries", "train loss",
                       "valid loss"] + [f"RMSE {c}" for c in COMMON]
     assert list(rows) == ["1GPU/00", "1GPU/01", "2GPU/00", "2GPU/01"]
-    assert max(len(line) for line in out.splitlines()) <= 160
+    assert max(len(line) for line in out.splitlines()) <= 120  # a normal terminal
 
     gpu = rows["2GPU/00"]
     want = expected(2, 1e-3)
@@ -130,12 +136,27 @@ def test_table_has_only_differing_keys_and_the_right_values(expdir, tmp_path, ca
     assert cpu["peak GiB"] == f"{want['peak_gib']:.2f}"  # peak RSS on CPU
     assert cpu["samples/s"] == f"{want['samples_per_s']:.1f}"
 
+    # the plots, one line each under the table
+    out_dir = tmp_path / "plots"
+    names = ["valid_loss.png"] + [f"rmse_{c}.png" for c in COMMON]
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(names)  # no rmse_t2m: not in every run
+    for name in names:
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
+    assert [line for line in out.splitlines() if line.startswith("wrote ")] == \
+        [f"wrote {out_dir / n}" for n in names]
+
 
 def test_json_document(expdir, tmp_path, capsys):
+    # a diverged last train loss: NaN is not JSON, so it becomes null
+    metrics = expdir / "tiny" / "1GPU" / "01" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[-1] = json.dumps({**json.loads(lines[-1]), "loss/train": float("nan")})
+    metrics.write_text("\n".join(lines) + "\n")
     out_dir = tmp_path / "plots"
     rc, out, _ = run_main(capsys, "--expdir", expdir, "--out", out_dir, "--json")
     assert rc == 0
-    doc = json.loads(out)
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON output"))
     assert doc["differing_keys"] == ["lr", "world_size"]
     assert doc["channels"] == COMMON
     assert doc["plots"] == [str(out_dir / f) for f in ["valid_loss.png"] + [f"rmse_{c}.png" for c in COMMON]]
@@ -157,19 +178,7 @@ def test_json_document(expdir, tmp_path, capsys):
     cpu = runs["1GPU/00"]
     assert cpu["mfu"] is None and cpu["alloc_retries"] is None
     assert cpu["peak_gib"] == pytest.approx(expected(1, 1e-3)["peak_gib"])
-
-
-def test_plots_are_pngs(expdir, tmp_path, capsys):
-    out_dir = tmp_path / "plots"
-    rc, out, _ = run_main(capsys, "--expdir", expdir, "--out", out_dir)
-    assert rc == 0
-    names = ["valid_loss.png"] + [f"rmse_{c}.png" for c in COMMON]
-    assert sorted(p.name for p in out_dir.iterdir()) == sorted(names)  # no rmse_t2m: not in every run
-    for name in names:
-        data = (out_dir / name).read_bytes()
-        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
-    assert [line for line in out.splitlines() if line.startswith("wrote ")] == \
-        [f"wrote {out_dir / n}" for n in names]
+    assert runs["1GPU/01"]["train_loss"] is None
 
 
 def test_channel_selection(expdir, tmp_path, capsys):
@@ -210,11 +219,23 @@ def test_runs_across_configs_world_sizes_and_unfinished(tmp_path, capsys):
 
 def test_runs_as_a_module(expdir, tmp_path):
     res = subprocess.run([sys.executable, "-m", "tools.compare_runs", str(expdir / "tiny" / "1GPU" / "00"),
-                          str(expdir / "tiny" / "2GPU" / "00"), "--out", str(tmp_path / "plots")],
+                          str(expdir / "tiny" / "2GPU" / "00"), "--out", str(tmp_path / "plots"),
+                          "--channels", "u10m"],  # fewer plots: faster
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     header, rows = parse_table(res.stdout)
     assert list(rows) == ["1GPU/00", "2GPU/00"] and header[1] == "world_size" and "lr" not in header
+
+
+def test_closed_output_pipe_exits_quietly(expdir, tmp_path):
+    # like `| head`: the reader is gone before the table is printed (the tool first spends ~1 s on plots)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.compare_runs", "--expdir", str(expdir), "--out",
+                             str(tmp_path / "plots"), "--channels", "u10m"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1
+    assert err == ""
 
 
 def _corrupt_metrics(expdir):
@@ -231,6 +252,12 @@ def _non_numeric_metric(expdir):
     lines[1] = json.dumps({**json.loads(lines[1]), "samples_per_s": "fast"})
     path.write_text("\n".join(lines) + "\n")
     return [str(path.parent)], f"{path}, line 2: samples_per_s not a number"
+
+
+def _old_metrics_format(expdir):
+    path = expdir / "tiny" / "2GPU" / "01" / "metrics.jsonl"
+    path.write_text(json.dumps({"epoch": 0, "iteration": 10, "epoch_time": 3.0, "rmse": {"t2m": 1.0}}) + "\n")
+    return ["--expdir", str(expdir)], f"{path}, line 1: no elapsed_s"
 
 
 def _corrupt_run_json(expdir):
@@ -255,10 +282,12 @@ ERRORS = {
     "no matching config": lambda d: (["--expdir", str(d), "--config", "big"], "no runs of config 'big'"),
     "corrupt metrics line": _corrupt_metrics,
     "non-numeric metric": _non_numeric_metric,
+    "metrics line without elapsed_s": _old_metrics_format,
     "corrupt run.json": _corrupt_run_json,
     "no runs given": lambda d: ([], "no runs given"),
     "config without expdir": lambda d: ([str(d), "--config", "tiny"], "--config needs --expdir"),
-    "channel not in every run": lambda d: (["--expdir", str(d), "--channels", "t2m"], "--channels t2m"),
+    "channel not in every run": lambda d: (["--expdir", str(d), "--channels", "t2m"],
+                                           "--channels t2m: no RMSE for it in 2GPU/01"),
     "empty channels": lambda d: (["--expdir", str(d), "--channels", ","], "--channels is empty"),
     "unknown option": lambda d: (["--expdir", str(d), "--bogus"], "unrecognized arguments: --bogus"),
     "option without value": lambda d: (["--expdir"], "argument --expdir: expected one argument"),

@@ -7,6 +7,8 @@ several epochs.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -150,3 +152,16 @@ def test_missing_dali_is_a_user_error(tiny_data, monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
     with pytest.raises(UserError, match=r"pip install '\.\[dali\]'"):
         make_data(tiny_data, "dali")
+
+
+def test_unreadable_sample_is_a_one_line_error(tmp_path):
+    """DALI re-raises a worker's exception with the worker's traceback as its message, so read
+    errors travel as data and come out as a one-line UserError naming file and time."""
+    from tools.make_synthetic_data import make_synthetic_dataset
+    root = make_synthetic_dataset(tmp_path / "data", train_years=1, valid_years=1, steps_per_year=BATCH + 1)
+    data = make_data(root, "dali", num_data_workers=1)
+    path = root / "valid" / "2001.h5"
+    os.truncate(path, path.stat().st_size // 2)  # after build_data, which rejects a file HDF5 cannot open
+    with pytest.raises(UserError, match=rf"^cannot read time 0 of {re.escape(str(path))} [^\n]*\Z"):  # one line
+        next(iter(data.valid))
+    assert data.valid._pipe is None, "the pipeline (and its workers) must be closed"

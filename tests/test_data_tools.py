@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -13,7 +15,8 @@ from tools.era5_layout import LayoutError
 
 xr = pytest.importorskip("xarray")
 
-REAL_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "era5-levels-members.nc"
+REPO = Path(__file__).resolve().parents[1]
+REAL_SAMPLE = REPO.parent / "shared" / "data" / "era5-levels-members.nc"
 
 
 def read_fields(path: Path) -> np.ndarray:
@@ -329,6 +332,72 @@ def test_convert_missing_input_and_cli(small_nc, tmp_path, capsys):
     assert convert_era5.main(argv + ["--overwrite", "--variables", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: variable(s) nope not in the input") and "Traceback" not in err
+
+
+def damaged_copy(ds, path: Path) -> Path:
+    """``ds`` as netCDF4 with checksummed chunks, one chunk of ``z`` overwritten (a bad download)."""
+    write_nc(ds, path, encoding={"z": {"chunksizes": (1, 1, 1, LAT.size, LON.size), "fletcher32": True}})
+    with h5py.File(path, "r") as f:
+        offset = f["z"].id.get_chunk_info_by_coord((0, 2, 1, 0, 0)).byte_offset
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * 16)
+    return path
+
+
+def test_convert_damaged_input_cleans_up(small_nc, tmp_path):
+    path = damaged_copy(small_nc[1], tmp_path / "damaged.nc")
+    with pytest.raises(LayoutError, match=r"cannot read variable 'z' at 2019-12-31T00:00:00 \.\. 2019-12-31T18:00:00 from .*damaged\.nc"):
+        convert_era5.convert(path, tmp_path / "out", **CONVERT_ARGS)
+    assert not layout.split_files(tmp_path / "out", "train")
+
+
+# (tool, arguments, text of the error line); {nc}: a small input, {tmp}: a fresh folder, {file}: a
+# text file, {dataset}: a folder holding a dataset, {damaged}: an input with a damaged chunk
+NC_ARGS = ["--input", "{nc}", "--out", "{tmp}/out", "--variables", "t", "z"]
+CLI_ERRORS = [
+    ("make_synthetic_data", ["--out", "{tmp}/o", "--img_size", "0", "64"], "--img_size must be at least 2 2, got 0 64"),
+    ("make_synthetic_data", ["--out", "{tmp}/o", "--channels", "0"], "--channels must be between 1 and 65, got 0"),
+    ("make_synthetic_data", ["--out", "{tmp}/o", "--valid_years", "-1"], "--valid_years must be >= 1"),
+    ("make_synthetic_data", ["--out", "{tmp}/o", "--steps_per_year", "-4"], "--steps_per_year must be >= 2"),
+    ("make_synthetic_data", ["--out", "{tmp}/o", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("make_synthetic_data", ["--out", "{tmp}/o", "--channels", "many"],
+     "argument --channels: invalid int value: 'many'; see --help"),
+    ("make_synthetic_data", ["--out", "{dataset}"], "already holds a dataset"),
+    ("make_synthetic_data", ["--out", "{file}/o"], "cannot write the output folder"),
+    ("convert_era5", ["--out", "{tmp}/o"], "the following arguments are required: --input, --variables; see --help"),
+    ("convert_era5", ["--input", "{tmp}/missing.nc", "--out", "{tmp}/o", "--variables", "t"], "does not exist"),
+    ("convert_era5", ["--input", "{file}", "--out", "{tmp}/o", "--variables", "t"], "as netCDF"),
+    ("convert_era5", ["--input", "{tmp}", "--out", "{tmp}/o", "--variables", "t"], "is a folder"),
+    ("convert_era5", [*NC_ARGS, "q"], "variable(s) q not in the input"),
+    ("convert_era5", [*NC_ARGS, "--levels", "700"], "no level 700"),
+    ("convert_era5", [*NC_ARGS, "--valid_fraction", "1.5"], "--valid_fraction must be between 0 and 1, got 1.5"),
+    ("convert_era5", [*NC_ARGS, "--trim_to_multiple", "0"], "--trim_to_multiple must be >= 1, got 0"),
+    ("convert_era5", [*NC_ARGS, "--valid_fraction", "0.5", "--valid_start", "2020-01-01"], "not allowed with"),
+    ("convert_era5", [*NC_ARGS, "--out", "{dataset}"], "already holds a dataset"),
+    ("convert_era5", [*NC_ARGS, "--out", "{file}/o"], "cannot write the output folder"),
+    ("convert_era5", [*NC_ARGS, "--input", "{damaged}"], "the file is damaged or truncated"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(small_nc, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli_inputs")
+    (root / "dataset" / layout.TRAIN).mkdir(parents=True)
+    (root / "dataset" / layout.TRAIN / "2000.h5").touch()
+    (root / "notes.txt").write_text("not a netCDF file\n")
+    return {"nc": small_nc[0], "file": root / "notes.txt", "dataset": root / "dataset",
+            "damaged": damaged_copy(small_nc[1], root / "damaged.nc")}
+
+
+@pytest.mark.parametrize("tool,args,message", CLI_ERRORS, ids=[f"{t}:{m}" for t, _, m in CLI_ERRORS])
+def test_cli_bad_input_is_one_error_line(cli_inputs, tmp_path, tool, args, message):
+    argv = [a.format(tmp=tmp_path, **cli_inputs) for a in args]
+    run = subprocess.run([sys.executable, "-m", f"tools.{tool}", *argv], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.splitlines()) == 1 and run.stderr.startswith("error: "), run.stderr
+    assert "Traceback" not in run.stderr and message in run.stderr, run.stderr
 
 
 def test_parse_select():

@@ -54,3 +54,78 @@ def test_dali_gpu_pipeline_equals_native_cpu_batches(tiny_data):
             assert n == len(native.train) == len(dali.train) > 0
     finally:
         dali.train.close(), dali.valid.close()
+
+
+def _train_cli(tmp_path, tiny_data, *args, launcher=()):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([*(launcher or [sys.executable]), str(root / "train.py"), "--config", "tiny",
+                           "--data_path", str(tiny_data), "--expdir", str(tmp_path), "--num_iters", "8",
+                           "--limit_nsamples", "64", "--log_every", "1000", *args],
+                          cwd=root, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(root)))
+
+
+def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
+    """cuDNN attention has no fp32 kernel: with --amp_mode none it is a one-line error, not a crash mid-step;
+    the probe itself runs in the run's dtype (fp32 here), so a backend that has fp32 kernels trains."""
+    from utils.errors import UserError
+    from utils.trainer import set_attention_backend
+    bad = _train_cli(tmp_path / "a", tiny_data, "--attention_backend", "cudnn", "--amp_mode", "none")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --attention_backend cudnn runs only in")
+    good = _train_cli(tmp_path / "b", tiny_data, "--attention_backend", "efficient", "--amp_mode", "none")
+    assert good.returncode == 0, good.stderr
+    try:
+        with pytest.raises(UserError, match="cannot run head dim 16 in float32"):
+            set_attention_backend("flash", torch.device("cuda"), 16, torch.float32)
+        set_attention_backend("flash", torch.device("cuda"), 16, torch.bfloat16)
+    finally:
+        set_attention_backend("auto", torch.device("cuda"), 16, torch.float32)
+        for enable in (torch.backends.cuda.enable_cudnn_sdp, torch.backends.cuda.enable_flash_sdp,
+                       torch.backends.cuda.enable_mem_efficient_sdp, torch.backends.cuda.enable_math_sdp):
+            enable(True)
+
+
+def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypatch):
+    """Non-TTY progress lines print the loss already read back for the finiteness check; the steps with
+    their progress lines run under CUDA sync-debug mode "error", which raises on any host sync (.item())."""
+    from distributed.env import init_distributed
+    from utils.config import load_config
+    from utils.trainer import Trainer
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    cfg = load_config("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "expdir": str(tmp_path),
+                                                  "data_loader_config": "synthetic", "log_every": "1"})
+    trainer = Trainer(cfg, init_distributed(cfg.parallel))
+    batches = iter(trainer.data.train)
+    pending = trainer.train_step(batches)
+    trainer.step += 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):
+            check = trainer.train_step(batches)
+            trainer._check_finite(pending)
+            pending = check
+            trainer.step += 1
+            trainer._progress_update(None, step, 3, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        trainer.close()
+    assert trainer.last_loss is not None and trainer.last_loss[0] == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_cpu_offload_trains_on_two_gpus(tiny_data, tmp_path):
+    """--fsdp_cpu_offload materializes the shards on the host (FSDP2's CPUOffloadPolicy requires it)."""
+    import json
+    import sys
+    from tests.dist_utils import free_port
+    proc = _train_cli(tmp_path, tiny_data, "--fsdp", "zero3", "--fsdp_cpu_offload", "--amp_mode", "bf16",
+                      "--global_batch_size", "8",
+                      launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                f"--master_port={free_port()}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("tiny/2GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
+    assert record["loss/train"] == record["loss/train"] and record["memory/peak_allocated"] > 0

@@ -48,6 +48,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """An argument parser whose errors are one ``error: ...`` line (a :class:`UserError`), not usage + exit."""
 
     def error(self, message: str):
+        """Raise the parse error as a :class:`UserError` (argparse would print usage and exit)."""
         raise UserError(f"{message}; {USAGE_HINT}")
 
 
@@ -113,9 +114,11 @@ def load_metrics(path: Path) -> list[dict]:
         missing = [k for k in REQUIRED_KEYS if k not in record]
         bad = [k for k, v in record.items()
                if (k in NUMERIC_KEYS or k.startswith("rmse/")) and v is not None and not _is_number(v)]
-        if missing or bad:
-            problem = f"missing {', '.join(missing)}" if missing else f"{', '.join(bad)} not a number"
-            raise UserError(f"{where}: {problem}; the line is corrupt, fix or delete it")
+        if missing:
+            raise UserError(f"{where}: no {' or '.join(missing)}, so not a metrics line of the current trainer; "
+                            "fix or delete the line, or re-run with the current trainer")
+        if bad:
+            raise UserError(f"{where}: {', '.join(bad)} not a number; the line is corrupt, fix or delete it")
         epochs.append(record)
     return epochs
 
@@ -218,9 +221,8 @@ def key_channels(runs: list[Run], requested: Optional[list[str]]) -> list[str]:
         for channel in requested:
             if channel not in common:
                 lacking = [r.name for r in runs if r.channels() and channel not in r.channels()]
-                where = f"runs {', '.join(lacking)} have" if lacking else "no run has"
-                raise UserError(f"--channels {channel}: {where} no RMSE for it; pick from the channels common to "
-                                f"all runs: {', '.join(common) or 'none'}")
+                raise UserError(f"--channels {channel}: no RMSE for it in {', '.join(lacking) or 'any run'}; pick "
+                                f"from the channels common to all runs: {', '.join(common) or 'none yet'}")
         return requested
     configured = {}
     for run in runs:
@@ -280,7 +282,8 @@ def _number(value: Optional[float], fmt: str) -> str:
 
 
 def format_table(rows: list[dict], keys: list[str], channels: list[str]) -> str:
-    """The comparison as aligned plain text: names and config values left-aligned, numbers right-aligned."""
+    """The comparison as aligned plain text: names and config values left-aligned, numbers right-aligned,
+    headers of two words on two lines."""
     columns = [("run", [r["name"] for r in rows], "<")]
     columns += [(k, [_compact(r["config"][k]) for r in rows], "<") for k in keys]
     columns += [
@@ -294,8 +297,15 @@ def format_table(rows: list[dict], keys: list[str], channels: list[str]) -> str:
     columns += [(f"RMSE {c}", [_number(r["rmse"][c], ".4g") for r in rows], ">") for c in channels]
     if any(r["status"] != "completed" for r in rows):
         columns.append(("status", [str(r["status"]) for r in rows], "<"))
-    widths = [max(len(h), *(len(c) for c in cells)) for h, cells, _ in columns]
-    lines = ["  ".join(format(h, f"{a}{w}") for (h, _, a), w in zip(columns, widths))]
+    # two-line headers ("RMSE" over "t2m"): headers are wider than the numbers under them
+    headers = [h.rpartition(" ")[::2] for h, _, _ in columns]
+    widths = [max(len(top), len(bottom), *(len(c) for c in cells))
+              for (top, bottom), (_, cells, _) in zip(headers, columns)]
+    aligns = [a for _, _, a in columns]
+    lines = ["  ".join(format(part, f"{a}{w}") for part, a, w in zip(parts, aligns, widths))
+             for parts in zip(*headers)]
+    if not lines[0].strip():
+        del lines[0]
     lines += ["  ".join(format(cells[i], f"{a}{w}") for (_, cells, a), w in zip(columns, widths))
               for i in range(len(rows))]
     return "\n".join(line.rstrip() for line in lines)
@@ -343,7 +353,7 @@ def write_plots(runs: list[Run], channels: list[str], out: Path) -> tuple[list[P
         if not series:
             notes.append(f"no run has {key} yet; {stem}.png not written")
             continue
-        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True, constrained_layout=True)
+        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True, layout="tight")
         for name, records in series:
             y = [r[key] for r in records]
             by_step.plot([r["iteration"] for r in records], y, marker=".", label=name)
@@ -419,7 +429,12 @@ def _finite(value: Any) -> Any:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: exit status 0, or 2 with a one-line ``error: ...`` for bad input."""
-    return exit_status(compare, argv)
+    try:
+        return exit_status(compare, argv)
+    except BrokenPipeError:
+        # the reader (head, less) went away: stop quietly, and keep the final flush at exit from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

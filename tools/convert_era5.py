@@ -81,13 +81,13 @@ def open_input(path: str | Path):
         InputNotFoundError: the file does not exist.
         LayoutError: ``path`` is a folder, or xarray cannot read it.
     """
-    import xarray as xr  # optional dependency (pip install .[data]); only the converter needs it
-
     path = Path(path)
     if path.is_dir():
         raise LayoutError(f"--input {path} is a folder; pass one netCDF file with --input")
     if not path.is_file():
         raise InputNotFoundError(f"input file {path} does not exist; pass the netCDF file with --input")
+    import xarray as xr  # optional dependency (pip install .[data]); only the converter needs it
+
     try:
         return xr.open_dataset(path, engine="h5netcdf")
     except Exception:  # e.g. netCDF3 classic, which h5netcdf cannot read

@@ -21,6 +21,7 @@ from utils.errors import UserError
 from utils.schema import KEYS, SECTIONS, Config, check_value, choices, coerce, plain, type_name
 
 DEFAULT_YAML = "config/ViT.yaml"
+REPO = Path(__file__).resolve().parents[1]
 CLI_ONLY = ("config", "yaml_config")  # choose the named config; not part of it
 WIDTH = 80
 
@@ -42,6 +43,8 @@ def read_yaml(path: str | Path) -> dict[str, dict]:
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
     path = Path(path)
+    if not path.is_file() and not path.is_absolute() and (REPO / path).is_file():
+        path = REPO / path  # the shipped configs, wherever the run is started from
     if not path.is_file():
         raise UserError(f"config file {path} not found; pass --yaml_config config/ViT.yaml")
     text = path.read_text()
@@ -120,8 +123,11 @@ def _show(value: Any) -> str:
 def parse_overrides(argv: list[str]) -> dict[str, str]:
     """``["--lr", "1e-3", "--enable_fused", "--x=y"]`` -> ``{"lr": "1e-3", "enable_fused": "true", "x": "y"}``.
 
+    A key given twice takes its last value, so a launcher's defaults (``submit_pm.sh`` passes
+    ``--data_path`` and ``--expdir`` first) can be overridden by the arguments after them.
+
     Raises:
-        UserError: an argument that is not an option, or an option given twice.
+        UserError: an argument that is not an option.
     """
     out: dict[str, str] = {}
     i = 0
@@ -137,8 +143,6 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
                 i += 1
             else:
                 value = "true"
-        if name in out:
-            raise UserError(f"--{name} is given twice ({out[name]!r} and {value!r}); keep one")
         out[name] = value
         i += 1
     return out
@@ -258,7 +262,7 @@ def markdown_flags() -> str:
     return "\n".join(rows)
 
 
-def update_readme(path: Path = Path(__file__).resolve().parents[1] / "README.md") -> None:
+def update_readme(path: Path = REPO / "README.md") -> None:
     """Replace the README's generated flag table (between the ``flags:start``/``flags:end`` markers)."""
     text = path.read_text()
     start, end = "<!-- flags:start -->\n", "\n<!-- flags:end -->"

@@ -126,10 +126,18 @@ def _now() -> str:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON to a temporary file and rename it, so readers never see half a file."""
+    """Write JSON to a temporary file and rename it, so readers never see half a file.
+
+    Raises:
+        OSError: the write failed (the temporary file is removed, ``path`` is untouched).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------- reporter
@@ -217,4 +225,9 @@ class Reporter:
         status = "completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         self.record.update(finished=_now(), status=status, wall_s=round(time.perf_counter() - self.t0, 1),
                            error=None if error is None else str(error) or type(error).__name__)
-        write_json_atomic(self.run_dir / "run.json", self.record)
+        try:
+            write_json_atomic(self.run_dir / "run.json", self.record)
+        except OSError as exc:  # e.g. the disk that failed the run is still full: keep the run's own error
+            if error is None:
+                raise UserError(f"cannot update {self.run_dir / 'run.json'} ({exc.strerror}); free space there") from None
+            log.warning("could not mark %s as %s: %s", self.run_dir / "run.json", status, exc.strerror)

@@ -1,0 +1,273 @@
+"""The bad-input table: every expected error through the real entry points is one line on stderr,
+``error: ...`` naming the problem and the fix, exit status 2, no traceback, on every rank; config, launch
+and data errors leave nothing on disk.
+
+Each case is (id, entry point and arguments, environment, how to spoil the data, words the line must
+hold, whether the run may already have written its directory). README.md lists these errors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- ways to spoil a copy of the tiny data
+def _first_train_file(data: Path) -> Path:
+    return sorted((data / "train").glob("*.h5"))[0]
+
+
+def _truncate(data: Path) -> None:
+    path = _first_train_file(data)
+    path.write_bytes(path.read_bytes()[:4096])
+
+
+def _empty(data: Path) -> None:
+    _first_train_file(data).write_bytes(b"")
+
+
+def _rename_fields(data: Path) -> None:
+    with h5py.File(_first_train_file(data), "r+") as f:
+        f.move("fields", "data")
+
+
+def _nan_stds(data: Path) -> None:
+    stds = np.load(data / "stats" / "global_stds.npy")
+    stds[0, 1] = np.nan
+    np.save(data / "stats" / "global_stds.npy", stds)
+
+
+def _wrong_means_shape(data: Path) -> None:
+    np.save(data / "stats" / "global_means.npy", np.zeros((1, 3, 1, 1), np.float32))
+
+
+def _missing_clim(data: Path) -> None:
+    (data / "stats" / "time_means.npy").unlink()
+
+
+def _truncated_npy(data: Path) -> None:
+    path = data / "stats" / "global_means.npy"
+    path.write_bytes(path.read_bytes()[:20])
+
+
+def _bad_latitude(data: Path) -> None:
+    with h5py.File(_first_train_file(data), "r+") as f:
+        del f["latitude"]
+        f["latitude"] = np.full(5, np.nan)
+
+
+def _nan_in_train(data: Path) -> None:
+    with h5py.File(sorted((data / "train").glob("*.h5"))[1], "r+") as f:
+        f["fields"][3, 0, 5, 5] = np.nan
+
+
+def _nan_in_valid(data: Path) -> None:
+    with h5py.File(sorted((data / "valid").glob("*.h5"))[0], "r+") as f:
+        f["fields"][2, 1, 4, 4] = np.inf
+
+
+def _no_valid_files(data: Path) -> None:
+    for path in (data / "valid").glob("*.h5"):
+        path.unlink()
+
+
+def _yaml(text: str) -> Callable[[Path], list[str]]:
+    """A case whose config file is ``text`` (written next to the data)."""
+    def write(data: Path) -> list[str]:
+        path = data / "configs.yaml"
+        path.write_text(text)
+        return ["--yaml_config", str(path), "--config", "a"]
+    return write
+
+
+@dataclass
+class Case:
+    id: str
+    args: list[str]
+    needles: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    spoil: Callable | None = None  # spoils a copy of the data; may return extra arguments
+    entry: str = "train.py"
+    writes: bool = False  # the error comes after the run directory exists (mid-training)
+
+
+LAUNCH = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+CASES = [
+    # ---- config: keys, types, ranges, cross-field checks
+    Case("unknown key", ["--lrr", "1e-3"], ["unknown config key --lrr", "did you mean lr"]),
+    Case("unknown config", ["--config", "tinyy"], ["'tinyy' not in", "did you mean tiny"]),
+    Case("wrong type", ["--num_iters", "many"], ["--num_iters expects an integer"]),
+    Case("bad bool", ["--enable_fused", "maybe"], ["--enable_fused expects true or false"]),
+    Case("bad choice", ["--amp_mode", "fp8"], ["--amp_mode must be one of none, fp16, bf16"]),
+    Case("positional argument", ["lr", "1e-3"], ["unexpected argument 'lr'"]),
+    Case("global batch 0", ["--global_batch_size", "0"], ["--global_batch_size must be >= 1, got 0"]),
+    Case("patch 0", ["--patch_size", "0"], ["--patch_size must be >= 1"]),
+    Case("valid_every 0", ["--valid_every", "0"], ["--valid_every must be >= 1"]),
+    Case("depth 0", ["--depth", "0"], ["--depth must be >= 1"]),
+    Case("dt 0", ["--dt", "0"], ["--dt must be >= 1"]),
+    Case("negative iterations", ["--num_iters", "-5"], ["--num_iters must be >= 1"]),
+    Case("limit 0 is not 'no limit'", ["--limit_nsamples", "0"], ["--limit_nsamples must be >= 1"]),
+    Case("negative lr", ["--lr", "-1"], ["--lr must be > 0"]),
+    Case("nan lr", ["--lr", "nan"], ["--lr expects a finite number"]),
+    Case("image not a multiple of patch", ["--img_size", "[30,64]"], ["img_size [30,64] is not a multiple of patch_size 4"]),
+    Case("heads do not divide width", ["--num_heads", "3"], ["embed_dim 64 is not divisible by num_heads 3"]),
+    Case("channels differ", ["--n_out_channels", "3"], ["n_out_channels 3 must equal n_in_channels 4"]),
+    Case("ac blocks beyond depth", ["--activation_checkpointing", "selective", "--ac_blocks", "5"],
+         ["--ac_blocks 5 exceeds the model depth 2"]),
+    Case("compile mode without compile", ["--compile_mode", "max-autotune"], ["no effect without --enable_jit"]),
+    Case("cuDNN attention on CPU", ["--attention_backend", "cudnn", "--amp_mode", "bf16"], ["needs a CUDA GPU"]),
+    Case("CPU offload without FSDP", ["--fsdp_cpu_offload"], ["--fsdp_cpu_offload needs FSDP"]),
+    Case("run_num with a slash", ["--run_num", "a/b"], ["must be a plain name"]),
+    Case("help for an unknown key", ["--help", "lrr"], ["--help lrr: unknown config key", "did you mean lr"]),
+    # ---- config files
+    Case("missing config file", ["--yaml_config", "/nonexistent/c.yaml"], ["/nonexistent/c.yaml not found"]),
+    Case("invalid YAML", [], ["is not valid YAML"], spoil=_yaml("a: [1, 2\n  b: {")),
+    Case("wrong type in YAML", [], ["config a: lr expects a number", "'fast'"], spoil=_yaml("a:\n  lr: fast\n")),
+    Case("duplicated key in a merged config", [], ["key 'lr' repeats the one on line 5"],
+         spoil=_yaml("b: &b\n  depth: 2\na:\n  <<: *b\n  lr: 1.0e-3\n  lr: 2.0e-3\n")),
+    Case("unknown key in YAML", [], ["config a: unknown config key depht"], spoil=_yaml("a:\n  depht: 3\n")),
+    # ---- output paths
+    Case("expdir is a file", ["--expdir", "{data}/stats/global_means.npy/runs"], ["is a file, not a directory"]),
+    # ---- data: missing, empty, truncated, corrupt files; wrong shapes; bad statistics; NaN
+    Case("missing data path", ["--data_path", "/nonexistent/era5"], ["/nonexistent/era5/train does not exist"]),
+    Case("crop larger than grid", ["--img_size", "[64,64]"], ["larger than the 32x64 grid"]),
+    Case("wrong channel count", ["--n_in_channels", "5", "--n_out_channels", "5"], ["has 4 channels", "--n_in_channels 4"]),
+    Case("too few samples for a batch", ["--global_batch_size", "4096"], ["fewer than one global batch"]),
+    Case("unknown key channel", ["--key_channels", "[nope]"], ["channel 'nope'", "u10m"]),
+    Case("unknown plot channel", ["--plot_channel", "nope"], ["channel 'nope'"]),
+    Case("file without fields", [], ["has no 'fields' dataset"], spoil=_rename_fields),
+    Case("truncated HDF5 file", [], ["cannot read", ".h5"], spoil=_truncate),
+    Case("empty HDF5 file", [], ["cannot read", ".h5"], spoil=_empty),
+    Case("corrupt latitude metadata", [], ["latitude", ".h5"], spoil=_bad_latitude),
+    Case("NaN in global_stds.npy", [], ["global_stds.npy holds 1 NaN/Inf"], spoil=_nan_stds),
+    Case("wrong shape of global_means.npy", [], ["global_means.npy has shape (1, 3, 1, 1)"], spoil=_wrong_means_shape),
+    Case("truncated global_means.npy", [], ["cannot read", "global_means.npy"], spoil=_truncated_npy),
+    Case("missing climatology", [], ["missing", "time_means.npy"], spoil=_missing_clim),
+    Case("no validation files", [], ["no .h5 files in", "valid"], spoil=_no_valid_files),
+    Case("NaN in the training data", ["--num_iters", "40"], ["NaN/Inf in the training data at step", "time"],
+         spoil=_nan_in_train, writes=True),
+    Case("NaN in the validation data", ["--num_iters", "4"], ["NaN/Inf in the validation data", "valid/"],
+         spoil=_nan_in_valid, writes=True),
+    Case("diverging model", ["--lr", "1e12", "--num_iters", "40"], ["loss became NaN/Inf at step", "--lr"],
+         writes=True),
+    # ---- environment and launcher
+    Case("MASTER_PORT not a number", [], ["MASTER_PORT='abc' is not an integer"], env={**LAUNCH, "MASTER_PORT": "abc"}),
+    Case("rank outside world", [], ["rank must be in"], env={**LAUNCH, "RANK": "2"}),
+    Case("SLURM without a node list", [], ["MASTER_ADDR"], env={"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}),
+    Case("world not divisible by tp", ["--tensor_parallel", "2"], ["world size 3 is not divisible"],
+         env={**LAUNCH, "WORLD_SIZE": "3"}),
+    Case("global batch not divisible by ranks", ["--global_batch_size", "10"], ["not divisible by data-parallel size 4"],
+         env={**LAUNCH, "WORLD_SIZE": "4"}),
+    Case("peer never joins", ["--rendezvous_timeout", "2"], ["timed out after 2 s", "rank 1 of 2 never joined"],
+         env=LAUNCH),
+    Case("model parallel on one process", ["--tensor_parallel", "2"], ["world size 1 is not divisible"],
+         entry="train_mp.py"),
+    # ---- tools
+    Case("compare_runs on a folder without runs", ["--expdir", "{data}"], ["no run"], entry="tools.compare_runs"),
+    Case("converter without its input", ["--input", "/nonexistent.nc", "--out", "{data}/x", "--variables", "t"],
+         ["/nonexistent.nc"],
+         entry="tools.convert_era5"),
+    Case("generator with zero channels", ["--out", "{data}/x", "--channels", "0"], ["--channels"],
+         entry="tools.make_synthetic_data"),
+]
+
+
+def run_entry(entry: str, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``train.py``-style scripts or ``tools.*`` modules as a user would."""
+    cmd = [sys.executable, str(ROOT / entry)] if entry.endswith(".py") else [sys.executable, "-m", entry]
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([*cmd, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needles: list[str]) -> None:
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in err and err.startswith("error: ") and "\n" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line(case, tiny_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    extra = (case.spoil(data) or []) if case.spoil else []
+    expdir = tmp_path / "runs"
+    args = [a.replace("{data}", str(data)) for a in case.args]
+    if case.entry.endswith(".py"):
+        args = ["--data_path", str(data), "--expdir", str(expdir), "--log_every", "1000", *extra, *args]
+    env = {**case.env, "MASTER_PORT": case.env.get("MASTER_PORT", str(free_port()))} if case.env else None
+    proc = run_entry(case.entry, args, tmp_path, env)
+    assert_one_line_error(proc, case.needles)
+    if not case.writes:  # checked before anything was created
+        assert not expdir.exists(), list(expdir.rglob("*"))
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 30
+
+
+# ---------------------------------------------------------------- errors on every rank
+def _launch_ranks(world_size: int, args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": str(r),
+                                   "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(world_size)]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out
+
+
+def test_data_error_is_one_line_on_every_rank(tmp_path):
+    for proc in _launch_ranks(2, ["--data_path", str(tmp_path / "missing"), "--expdir", str(tmp_path / "runs"),
+                                  "--rendezvous_timeout", "60"], tmp_path):
+        assert_one_line_error(proc, ["missing/train does not exist"])
+    assert not (tmp_path / "runs").exists()
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+def test_full_disk_during_checkpoint_stops_every_rank_with_one_line(tiny_data, tmp_path):
+    """A real full filesystem (a 400 KiB tmpfs): rank 0's checkpoint write fails; both ranks stop with
+    one line naming the disk, the partial file is removed and run.json says failed."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "400k"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        procs = _launch_ranks(2, ["--data_path", str(tiny_data), "--expdir", str(disk), "--num_iters", "130",
+                                  "--limit_nsamples", "128", "--log_every", "1000"], tmp_path)
+        for rank, proc in enumerate(procs):
+            assert_one_line_error(proc, ["writing checkpoint", "No space left on device", "free"])
+            assert ("(on rank 0; stopping rank 1)" in proc.stderr) == (rank == 1)
+        run_dir = next(disk.glob("tiny/2GPU/*"))
+        assert not list(run_dir.glob("checkpoints/*.tmp"))
+        assert '"status": "failed"' in (run_dir / "run.json").read_text()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)

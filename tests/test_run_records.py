@@ -1,0 +1,112 @@
+"""Run records end to end through the real entry points: run.json, one run per directory, TensorBoard
+HParams, and tools.compare_runs on four tiny runs (two learning rates x one and two ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from tests.dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
+         "--log_every", "1000", "--save_checkpoint", "false"]
+
+
+def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    return subprocess.run([*launcher, str(ROOT / "train.py"), *QUICK, "--data_path", str(data),
+                           "--expdir", str(tmp_path / "runs"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_runs(tiny_data, tmp_path_factory):
+    """tiny at lr 1e-3 and 3e-3, each on one and on two ranks (torchrun)."""
+    tmp = tmp_path_factory.mktemp("compare")
+    for ranks in (1, 2):
+        for lr in ("1e-3", "3e-3"):
+            proc = _train(tmp, tiny_data, "--lr", lr, ranks=ranks)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = sorted((tmp / "runs" / "tiny").glob("*GPU/*"))
+    assert [r.relative_to(tmp / "runs" / "tiny").as_posix() for r in runs] == \
+        ["1GPU/00", "1GPU/01", "2GPU/00", "2GPU/01"]  # --run_num auto numbers them
+    return tmp, runs
+
+
+def test_run_json_records_code_versions_world_and_config(four_runs):
+    _, runs = four_runs
+    record = json.loads((runs[2] / "run.json").read_text())
+    assert record["status"] == "completed" and record["finished"] and record["error"] is None
+    assert record["config_name"] == "tiny" and record["command"][0] == "train.py" and "--lr" in record["command"]
+    assert record["world_size"] == 2 and record["mesh"] == {"dp": 2, "cp": 1, "tp": 1}
+    assert record["launcher"] == "torchrun" and record["devices"] == ["cpu", "cpu"]
+    assert len(record["git"]["commit"]) == 40 and isinstance(record["git"]["dirty"], bool)
+    assert record["versions"]["torch"] and record["versions"]["python"]
+    assert record["config"]["lr"] == 1e-3 and record["config"]["run_num"] == "00"
+    assert record["config"]["img_size"] == [32, 64] and record["config"]["num_iters"] == 16
+
+
+def _hparams(run_dir: Path) -> tuple[dict, list[str]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0}).Reload()
+    content = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    values = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
+              for k, v in start.session_start_info.hparams.items()}
+    metrics = [m.name.tag for m in experiment.experiment.metric_infos]
+    return values, metrics
+
+
+def test_hparams_entries_read_back_from_the_event_files(four_runs):
+    _, runs = four_runs
+    values, metrics = _hparams(runs[1])
+    assert values["lr"] == pytest.approx(3e-3) and values["depth"] == 2 and values["world_size"] == 1
+    assert values["img_size"] == "[32, 64]" and values["amp_mode"] == "none"
+    assert {"loss/train", "loss/valid", "perf/samples_per_s", "memory/peak_rss", "rmse/u10m"} <= set(metrics)
+    # every metric the HParams tab lists is a scalar the run logged
+    tags = EventAccumulator(str(runs[1])).Reload().Tags()["scalars"]
+    assert set(metrics) <= set(tags)
+    assert _hparams(runs[2])[0]["world_size"] == 2
+
+
+def test_compare_runs_table_json_and_plots(four_runs):
+    tmp, runs = four_runs
+    out = tmp / "plots"
+    proc = subprocess.run([sys.executable, "-m", "tools.compare_runs", "--expdir", str(tmp / "runs"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = lines[0] + lines[1]  # two header rows
+    assert "lr" in header and "world_size" in header and "samples/s" in header and "depth" not in header
+    assert [line.split()[0] for line in lines[2:6]] == ["1GPU/00", "1GPU/01", "2GPU/00", "2GPU/01"]
+    for name in ("valid_loss.png", "rmse_u10m.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(subprocess.run([sys.executable, "-m", "tools.compare_runs", *map(str, runs), "--json",
+                                      "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=120).stdout)
+    assert set(data["differing_keys"]) >= {"lr", "world_size"}
+    last = [json.loads(line) for line in (runs[3] / "metrics.jsonl").read_text().splitlines()][-1]
+    row = data["runs"][3]
+    assert row["valid_loss"] == pytest.approx(last["loss/valid"])
+
+
+def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
+    first = _train(tmp_path, tiny_data, "--run_num", "07")
+    assert first.returncode == 0, first.stderr
+    again = _train(tmp_path, tiny_data, "--run_num", "07")
+    assert again.returncode == 2
+    assert again.stderr.strip().startswith("error: run directory") and "already holds a run" in again.stderr
+    assert "--run_num" in again.stderr and "Traceback" not in again.stderr
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "07"
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
