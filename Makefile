@@ -24,7 +24,7 @@ $(TINY): | $(STAMP)
 	$(BIN)/python -m tools.make_synthetic_data --out data/tiny --train_years 4 --steps_per_year 128 --overwrite
 
 train: setup data
-	$(BIN)/python train.py --yaml_config config/ViT.yaml --config tiny --run_num 00
+	$(BIN)/python train.py --yaml_config config/ViT.yaml --config tiny
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -32,7 +32,7 @@ test: setup
 era5_sample: setup
 	$(BIN)/python -m tools.convert_era5 --input $(ERA5_SAMPLE_NC) --out data/era5_sample \
 		--variables t z --levels 850 500 --trim_to_multiple 4 --overwrite
-	$(BIN)/python train.py --config era5_sample --run_num 00
+	$(BIN)/python train.py --config era5_sample
 
 clean:
 	rm -rf $(VENV) data runs

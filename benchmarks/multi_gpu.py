@@ -4,6 +4,7 @@
     python benchmarks/multi_gpu.py --suite fsdp --data_path /data/full --out benchmarks/results/fsdp.json
     python benchmarks/multi_gpu.py --suite vit2b --out benchmarks/results/vit2b.json
     python benchmarks/multi_gpu.py --suite tp --data_path /data/full --out benchmarks/results/tp.json
+    python benchmarks/multi_gpu.py --suite offload --gpus_max 2 --out benchmarks/results/offload.json
 
 Each variant is a ``train.py`` (or ``train_mp.py``) run of two epochs; the second epoch's samples/s,
 MFU and per-GPU memory (maximum over ranks) are reported. Prints a table and saves JSON.
@@ -46,6 +47,15 @@ def fsdp(args) -> list[tuple]:
         ("zero3_ac", ["--fsdp", "zero3", "--activation_checkpointing", "full"]),
         ("zero3_sel2", ["--fsdp", "zero3", "--activation_checkpointing", "selective", "--ac_every", "2"]),
         ("zero3_ac7", ["--fsdp", "zero3", "--activation_checkpointing", "selective", "--ac_blocks", "7"]))]
+
+
+def offload(args) -> list[tuple]:
+    """``mp`` (or ``--config``) at ``--local_batch`` with ZeRO-3, without and with ``--fsdp_cpu_offload``
+    (shards, gradients and Adam state on the host; the optimizer step runs on the CPU)."""
+    n, bs, name = args.gpus_max, args.local_batch, args.config or "mp"
+    base = ["--config", name, "--local_batch_size", str(bs), "--fsdp", "zero3",
+            "--limit_nsamples", str(bs * n * args.steps)] + OPT + SYNTH
+    return [(f"{name}_zero3", n, base), (f"{name}_zero3_offload", n, base + ["--fsdp_cpu_offload"])]
 
 
 def vit2b_args(args, prefetch: int, bs: int) -> tuple:
@@ -117,7 +127,7 @@ def compare(rows: list[dict], base: dict) -> None:
             r["reserved_cut"] = base["memory/peak_reserved"] / r["memory/peak_reserved"]
 
 
-SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp}
+SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp, "offload": offload}
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("per GPU", "per_gpu", ".1f"),
            ("efficiency", "efficiency", ".1%"), ("MFU", "mfu", ".1%"),
            ("peak alloc GiB", "memory/peak_allocated", ".2f"), ("peak reserved GiB", "memory/peak_reserved", ".2f"),
@@ -134,6 +144,7 @@ def main() -> int:
     ap.add_argument("--batches", default="8,16,24,32,48,64", help="vit2b: candidate local batch sizes")
     ap.add_argument("--config", default="", help="config name (default: short / mp / vit_2b by suite)")
     ap.add_argument("--steps", type=int, default=16, help="steps per epoch")
+    ap.add_argument("--local_batch", type=int, default=16, help="offload: local batch size")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--data_path", default="")
     ap.add_argument("--entry", default="train.py")
@@ -156,7 +167,7 @@ def main() -> int:
         for r in rows:
             if base and "per_gpu" in r:
                 r["efficiency"] = r["per_gpu"] / base
-    if args.suite in ("fsdp", "tp") and rows:
+    if args.suite in ("fsdp", "tp", "offload") and rows:
         compare(rows, rows[0])
     rows.save()
     print(table(rows, COLUMNS))

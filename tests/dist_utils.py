@@ -44,3 +44,14 @@ def run_distributed(fn, world_size: int, *args) -> None:
     except Exception as exc:
         msg = errq.get() if not errq.empty() else str(exc)
         raise AssertionError(msg) from None
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for an entry point run as a user would: the repository first on PYTHONPATH
+    (kept, so carried packages stay importable), one thread per process, no launcher variables."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env

@@ -8,7 +8,6 @@ hold, whether the run may already have written its directory). README.md lists t
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,9 +187,8 @@ CASES = [
 def run_entry(entry: str, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``train.py``-style scripts or ``tools.*`` modules as a user would."""
     cmd = [sys.executable, str(ROOT / entry)] if entry.endswith(".py") else [sys.executable, "-m", entry]
-    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([*cmd, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*cmd, *args], cwd=cwd, env=subprocess_env(**(env or {})), capture_output=True, text=True,
+                          timeout=300)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, needles: list[str]) -> None:
@@ -224,12 +222,10 @@ def test_table_is_large_enough():
 # ---------------------------------------------------------------- errors on every rank
 def _launch_ranks(world_size: int, args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": str(r),
-                                   "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                              env=subprocess_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(world_size)]
     out = []
     for proc in procs:

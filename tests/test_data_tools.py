@@ -65,6 +65,14 @@ def test_layout_writer_and_stats(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.h5*")) == ["a.h5"]  # failed writes leave nothing
     with pytest.raises(FileNotFoundError):
         layout.read_channel_names(tmp_path / "missing.h5")
+    # unwritable destinations (a file where a folder should be) and unreadable files name the path
+    with pytest.raises(LayoutError, match=r"cannot create .*a\.h5/b\.h5\.part .*pass a writable --out"):
+        layout.write_field_file(path / "b.h5", arrays[0], ["z500", "t850"], lat, lon, dt_hours=6)
+    with pytest.raises(LayoutError, match=r"cannot write the statistics to .*a\.h5/stats"):
+        layout.save_stats(path, stats)
+    (tmp_path / "notes.h5").write_text("not HDF5")
+    with pytest.raises(LayoutError, match=r"cannot read .*notes\.h5 as HDF5"):
+        layout.read_channel_names(tmp_path / "notes.h5")
 
 
 # ---------------------------------------------------------------- synthetic generator
@@ -388,6 +396,12 @@ def cli_inputs(small_nc, tmp_path_factory) -> dict[str, Path]:
     (root / "notes.txt").write_text("not a netCDF file\n")
     return {"nc": small_nc[0], "file": root / "notes.txt", "dataset": root / "dataset",
             "damaged": damaged_copy(small_nc[1], root / "damaged.nc")}
+
+
+def test_unreadable_input_message_is_one_line(cli_inputs):
+    """xarray's message spans lines; the LayoutError's must not (API callers print it too)."""
+    with pytest.raises(LayoutError, match=r"cannot read .*notes\.txt as netCDF \(ValueError: [^\n]*\Z"):
+        convert_era5.open_input(cli_inputs["file"])
 
 
 @pytest.mark.parametrize("tool,args,message", CLI_ERRORS, ids=[f"{t}:{m}" for t, _, m in CLI_ERRORS])

@@ -57,15 +57,16 @@ def test_dali_gpu_pipeline_equals_native_cpu_batches(tiny_data):
 
 
 def _train_cli(tmp_path, tiny_data, *args, launcher=()):
-    import os
     import subprocess
     import sys
     from pathlib import Path
+
+    from tests.dist_utils import subprocess_env
     root = Path(__file__).resolve().parents[1]
     return subprocess.run([*(launcher or [sys.executable]), str(root / "train.py"), "--config", "tiny",
                            "--data_path", str(tiny_data), "--expdir", str(tmp_path), "--num_iters", "8",
                            "--limit_nsamples", "64", "--log_every", "1000", *args],
-                          cwd=root, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(root)))
+                          cwd=root, capture_output=True, text=True, timeout=600, env=subprocess_env())
 
 
 def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):

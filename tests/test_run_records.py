@@ -4,7 +4,6 @@ HParams, and tools.compare_runs on four tiny runs (two learning rates x one and 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
@@ -21,7 +20,7 @@ QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--l
 
 
 def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = subprocess_env()
     launcher = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
     return subprocess.run([*launcher, str(ROOT / "train.py"), *QUICK, "--data_path", str(data),

@@ -21,7 +21,6 @@ status when a run has not completed. Plots (``valid_loss.png``, ``rmse_<channel>
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from utils.errors import UserError, exit_status
+from utils.errors import ArgumentParser, UserError, exit_status
 
 # config keys that differ between any two runs by construction
 IGNORED_KEYS = ("run_num", "expdir", "description")
@@ -41,15 +40,7 @@ NUMERIC_KEYS = ("iteration", "elapsed_s", "samples_per_s", "mfu", "memory/peak_a
                 "memory/alloc_retries", "loss/train", "loss/valid")
 REQUIRED_KEYS = ("iteration", "elapsed_s")  # the x axes of the plots
 MAX_CELL = 24  # characters of a config value in the table; --json has the full value
-USAGE_HINT = "run 'python -m tools.compare_runs --help' for usage"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one ``error: ...`` line (a :class:`UserError`), not usage + exit."""
-
-    def error(self, message: str):
-        """Raise the parse error as a :class:`UserError` (argparse would print usage and exit)."""
-        raise UserError(f"{message}; {USAGE_HINT}")
+USAGE_HINT = "see --help"
 
 
 @dataclass
@@ -375,7 +366,7 @@ def write_plots(runs: list[Run], channels: list[str], out: Path) -> tuple[list[P
 
 
 # ---------------------------------------------------------------- command line
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]]):
     """The command-line options (see the module docstring)."""
     parser = ArgumentParser(prog="python -m tools.compare_runs",
                             description="Compare training runs: a table of differing config keys, throughput, "

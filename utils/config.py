@@ -265,10 +265,12 @@ def markdown_flags() -> str:
 def update_readme(path: Path = REPO / "README.md") -> None:
     """Replace the README's generated flag table (between the ``flags:start``/``flags:end`` markers)."""
     text = path.read_text()
-    start, end = "<!-- flags:start -->\n", "\n<!-- flags:end -->"
-    head, _, rest = text.partition(start)
-    _, _, tail = rest.partition(end)
-    path.write_text(head + start + markdown_flags() + end + tail)
+    start, end = "<!-- flags:start -->", "<!-- flags:end -->"
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise UserError(f"{path} needs one {start} and one {end} line around the flag table")
+    head, rest = text.split(start)
+    tail = rest.split(end)[1]
+    path.write_text(f"{head}{start}\n{markdown_flags()}\n{end}{tail}")
 
 
 if __name__ == "__main__":  # python -m utils.config --update-readme

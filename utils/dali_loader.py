@@ -265,7 +265,7 @@ class DaliBatches:
 
     def __iter__(self) -> Iterator:
         self._token += 1
-        if self.n_batches == 0:  # an empty validation shard (fewer samples than ranks): no pipeline
+        if self.n_batches == 0:  # an empty shard (build_data refuses one, direct use may not): no pipeline
             return iter(())
         self._prepare(self.epoch)
         return self._batches(self._token)

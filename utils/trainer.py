@@ -10,6 +10,7 @@ suppression for accumulation and the reduction of replicated-parameter gradients
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -107,7 +108,9 @@ class Trainer:
         # nothing above writes to disk: a bad input stops the run before its directory exists
         self.run_dir = broadcast_from_main(
             claim_run_dir(cfg.logging, cfg.name, world.world_size) if world.is_main else None, world)
-        cfg.logging.run_num = self.run_dir.name  # the number `auto` picked, for run.json and config.yaml
+        # the trainer's own copy records the number `auto` picked (run.json, config.yaml)
+        self.cfg = cfg = copy.deepcopy(cfg)
+        cfg.logging.run_num = self.run_dir.name
         setup_logging(self.run_dir / "out.log" if world.is_main else None, world.rank)
         log.info("rank %d/%d on %s (launcher %s): dp=%d cp=%d tp=%d, local batch %d, global batch %d",
                  world.rank, world.world_size, self.device, world.env.launcher, world.dp, world.cp, world.tp,
