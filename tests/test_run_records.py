@@ -108,4 +108,5 @@ def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
     assert "--run_num" in again.stderr and "Traceback" not in again.stderr
     run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "07"
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    epochs = [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1]  # one run's two epochs, nothing appended
