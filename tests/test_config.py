@@ -266,7 +266,7 @@ def test_wrong_type(key, raw, pattern):
 
 
 @pytest.mark.parametrize("key,raw", [("amp_mode", "fp8"), ("lr_schedule", "linear"), ("fsdp", "zero1"),
-                                     ("data_loader_config", "ffcv")])
+                                     ("nettype", "ResNet"), ("data_loader_config", "ffcv")])
 def test_bad_choice(key, raw):
     with pytest.raises(UserError, match=f"--{key} must be one of") as exc:
         load(**{key: raw})
@@ -461,7 +461,8 @@ def test_an_option_given_twice_takes_the_last_value():
     ({"fsdp_cpu_offload": "true", "fsdp": "zero3", "amp_mode": "fp16"}, Launch(world_size=2, cuda=True),
      "use --amp_mode bf16"),
     ({"fsdp": "hsdp", "hsdp_shard_size": "3"}, Launch(world_size=4), "--hsdp_shard_size 3 must divide"),
-    ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(), "--ac_blocks 13 exceeds the model depth 12"),
+    ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(),
+     "--ac_blocks 13 exceeds the model depth 12"),
     ({"run_num": "a/b"}, Launch(), "must be a plain name"),
 ])
 def test_cross_field_checks(overrides, launch, pattern):
@@ -501,7 +502,8 @@ def test_help_for_one_key():
     assert text.splitlines()[0] == "--local_batch_size INT or null"
     assert "section: optimization" in text and "default: null" in text and "allowed: >= 1" in text
     assert all(len(line) <= 80 for line in text.splitlines())
-    assert "set by named configs:" in key_help("attention_backend") and "short_opt cudnn" in key_help("attention_backend")
+    backend = key_help("attention_backend")
+    assert "set by named configs:" in backend and "short_opt cudnn" in backend
     with pytest.raises(UserError, match="did you mean local_batch_size"):
         key_help("local_batch")
 

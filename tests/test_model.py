@@ -206,3 +206,17 @@ def test_patch_embed_equals_strided_convolution():
     x = torch.randn(2, 3, 12, 20, dtype=torch.float64)
     ref = torch.nn.functional.conv2d(x, pe.proj.weight, pe.proj.bias, stride=4).flatten(2).transpose(1, 2)
     torch.testing.assert_close(pe(x), ref, atol=1e-12, rtol=0)
+
+
+def test_nettype_selects_the_network_class(monkeypatch):
+    """``nettype`` is read: build_model looks the class up in networks.vit.MODELS."""
+    import networks.vit as vit
+    from utils.schema import DataConfig, ModelConfig
+
+    class Marked(vit.VisionTransformer):
+        pass
+
+    monkeypatch.setitem(vit.MODELS, "VisionTransformer", Marked)
+    model = build_model(ModelConfig(embed_dim=8, depth=1, num_heads=2, patch_size=4),
+                        DataConfig(img_size=(8, 8), n_in_channels=2, n_out_channels=2))
+    assert type(model) is Marked

@@ -109,7 +109,7 @@ def _set(cfg: Config, key: str, raw: Any, where: str) -> None:
         raise UserError(f"{where}unknown config key {'--' if not where else ''}{key}{closest(key, KEYS)} "
                         "(python train.py --help lists the keys)")
     try:
-        cfg.set(key, coerce(key, raw, KEYS[key].type))
+        cfg.set(key, coerce(raw, KEYS[key].type))
     except ValueError as exc:
         raise UserError(f"{where}{'--' if not where else ''}{key} {exc} ({type_name(KEYS[key].type)}), "
                         f"got {_show(raw)}") from None

@@ -254,7 +254,7 @@ def type_name(tp: Any) -> str:
     return text + (" or null" if optional else "")
 
 
-def coerce(name: str, raw: Any, tp: Any) -> Any:
+def coerce(raw: Any, tp: Any) -> Any:
     """Convert ``raw`` (a command-line string or a YAML value) to type ``tp``.
 
     Raises:
@@ -272,11 +272,11 @@ def coerce(name: str, raw: Any, tp: Any) -> Any:
             raise ValueError(f"must be one of {', '.join(map(str, options))}")
         return raw
     if origin is tuple:
-        return _coerce_tuple(name, raw, typing.get_args(inner))
+        return _coerce_tuple(raw, typing.get_args(inner))
     return _coerce_scalar(raw, inner)
 
 
-def _coerce_tuple(name: str, raw: Any, args: tuple) -> tuple:
+def _coerce_tuple(raw: Any, args: tuple) -> tuple:
     if isinstance(raw, str):
         raw = _parse_list(raw)
     if not isinstance(raw, (list, tuple)):

@@ -78,7 +78,7 @@ def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype:
 
 
 def all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
-                op=dist.ReduceOp.SUM) -> torch.Tensor:
+               op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce in place over mesh dimension ``dim`` (``dp``, ...) or over all ranks when None."""
     size = world.world_size if dim is None else getattr(world, dim)
     if dist.is_initialized() and size > 1:
