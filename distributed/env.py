@@ -187,7 +187,7 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
 
     Raises:
         UserError: the world size does not divide into tensor x context parallel, the launcher's
-            variables are inconsistent, or a rank did not join within ``rendezvous_timeout`` s.
+            variables are inconsistent, or a rank did not join within ``rendezvous_timeout_s`` s.
     """
     env = env or detect_launch()
     device = select_device(env)
@@ -197,8 +197,8 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
         return World(env, device)
     store = None
     if not dist.is_initialized():
-        store = rendezvous(env, parallel.rendezvous_timeout)
-        timeout = timedelta(seconds=parallel.collective_timeout)
+        store = rendezvous(env, parallel.rendezvous_timeout_s)
+        timeout = timedelta(seconds=parallel.collective_timeout_s)
         store.set_timeout(timeout)  # the store's own waits (NCCL's id exchange) follow the collectives'
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=env.rank,
                                 world_size=env.world_size, timeout=timeout,
@@ -241,7 +241,7 @@ def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
             channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
         raise
     if channel is not None:
-        finish(world.store, channel, world.rank, world.world_size, parallel.collective_timeout)
+        finish(world.store, channel, world.rank, world.world_size, parallel.collective_timeout_s)
     shutdown()
 
 

@@ -67,7 +67,7 @@ def rendezvous(env: LaunchEnv, timeout_s: float) -> dist.Store:
     if missing:
         raise UserError(f"rendezvous at {where} timed out after {timeout_s:g} s: "
                         f"{_rank_list(missing, env.world_size)} never joined; start every rank "
-                        f"(torchrun --nproc_per_node={env.world_size} ..., or srun) or raise --rendezvous_timeout")
+                        f"(torchrun --nproc_per_node={env.world_size} ..., or srun) or raise --rendezvous_timeout_s")
     store.set_timeout(dist.default_pg_timeout)
     return store
 
@@ -106,7 +106,7 @@ def _connect(env: LaunchEnv, deadline: float, timeout_s: float) -> dist.TCPStore
         if time.monotonic() >= deadline:
             raise UserError(f"could not reach rank 0's rendezvous at {env.master_addr}:{env.master_port} "
                             f"within {timeout_s:g} s ({reason}); check MASTER_ADDR/MASTER_PORT and that "
-                            "rank 0 started (--rendezvous_timeout to wait longer)")
+                            "rank 0 started (--rendezvous_timeout_s to wait longer)")
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 

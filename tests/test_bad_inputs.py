@@ -173,7 +173,7 @@ CASES = [
          env={**LAUNCH, "WORLD_SIZE": "3"}),
     Case("global batch not divisible by ranks", ["--global_batch_size", "10"], ["not divisible by data-parallel size 4"],
          env={**LAUNCH, "WORLD_SIZE": "4"}),
-    Case("peer never joins", ["--rendezvous_timeout", "2"], ["timed out after 2 s", "rank 1 of 2 never joined"],
+    Case("peer never joins", ["--rendezvous_timeout_s", "2"], ["timed out after 2 s", "rank 1 of 2 never joined"],
          env=LAUNCH),
     Case("model parallel on one process", ["--tensor_parallel", "2"], ["world size 1 is not divisible"],
          entry="train_mp.py"),
@@ -239,7 +239,7 @@ def _launch_ranks(world_size: int, args: list[str], cwd: Path) -> list[subproces
 
 def test_data_error_is_one_line_on_every_rank(tmp_path):
     for proc in _launch_ranks(2, ["--data_path", str(tmp_path / "missing"), "--expdir", str(tmp_path / "runs"),
-                                  "--rendezvous_timeout", "60"], tmp_path):
+                                  "--rendezvous_timeout_s", "60"], tmp_path):
         assert_one_line_error(proc, ["missing/train does not exist"])
     assert not (tmp_path / "runs").exists()
 

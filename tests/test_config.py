@@ -411,7 +411,7 @@ def test_types_come_from_the_schema_not_the_yaml_spelling(tmp_path):
 
 def test_keys_left_out_of_the_yaml_take_the_schema_default(tmp_path):
     cfg = load_config(_yaml(tmp_path, "a:\n  depth: 3\n"), "a")
-    assert cfg.model.depth == 3 and cfg.model.embed_dim == 384 and cfg.parallel.rendezvous_timeout == 300.0
+    assert cfg.model.depth == 3 and cfg.model.embed_dim == 384 and cfg.parallel.rendezvous_timeout_s == 300.0
 
 
 @pytest.mark.parametrize("text,pattern", [

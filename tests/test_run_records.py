@@ -49,6 +49,7 @@ def test_run_json_records_code_versions_world_and_config(four_runs):
     assert record["config_name"] == "tiny" and record["command"][0] == "train.py" and "--lr" in record["command"]
     assert record["world_size"] == 2 and record["mesh"] == {"dp": 2, "cp": 1, "tp": 1}
     assert record["launcher"] == "torchrun" and record["devices"] == ["cpu", "cpu"]
+    assert len(record["hosts"]) == 2 and record["hosts"][0]
     assert len(record["git"]["commit"]) == 40 and isinstance(record["git"]["dirty"], bool)
     assert record["versions"]["torch"] and record["versions"]["python"]
     assert record["config"]["lr"] == 1e-3 and record["config"]["run_num"] == "00"

@@ -114,11 +114,10 @@ def versions() -> dict[str, str | None]:
 
 def run_record(config_name: str, flat_config: dict, world_info: dict) -> dict[str, Any]:
     """The first ``run.json``: what produced this run. ``world_info`` has world size, mesh,
-    launcher and the device of each rank."""
+    launcher and the host and device of each rank."""
     return {"config_name": config_name, "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
             "started": _now(), "finished": None, "status": "running", "error": None,
-            "git": git_state(), "versions": versions(), "host": platform.node(), **world_info,
-            "config": flat_config}
+            "git": git_state(), "versions": versions(), **world_info, "config": flat_config}
 
 
 def _now() -> str:

@@ -14,6 +14,7 @@ import copy
 import logging
 import math
 import os
+import platform
 import sys
 import time
 from functools import partial
@@ -158,14 +159,15 @@ class Trainer:
         self.loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
 
     def _world_info(self) -> dict:
+        """World size, mesh, launcher, and the host and device of every rank (collective)."""
         w = self.world
-        devices = [torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"]
+        mine = (platform.node(), torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu")
+        ranks = [mine]
         if dist.is_initialized() and w.world_size > 1:
-            gathered: list = [None] * w.world_size
-            dist.all_gather_object(gathered, devices[0])
-            devices = gathered
+            ranks = [None] * w.world_size
+            dist.all_gather_object(ranks, mine)
         return {"world_size": w.world_size, "mesh": {"dp": w.dp, "cp": w.cp, "tp": w.tp},
-                "launcher": w.env.launcher, "devices": devices}
+                "launcher": w.env.launcher, "hosts": [h for h, _ in ranks], "devices": [d for _, d in ranks]}
 
     def _metric_tags(self) -> list[str]:
         memory = "memory/peak_allocated" if self.device.type == "cuda" else "memory/peak_rss"
