@@ -62,6 +62,16 @@ def _int(environ, key: str) -> int:
                         "fix or unset it") from None
 
 
+def _tasks_per_node(environ) -> int:
+    """Tasks on this node from ``SLURM_NTASKS_PER_NODE`` (``4``, ``4(x2)`` or ``4,2``: the first count)."""
+    value = environ.get("SLURM_NTASKS_PER_NODE", "1")
+    m = re.match(r"\d+", value)
+    if not m:
+        raise UserError(f"environment variable SLURM_NTASKS_PER_NODE={value!r} is not a task count; "
+                        "fix or unset it")
+    return int(m.group())
+
+
 def _port(environ, default: int) -> int:
     port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else default
     if not 1 <= port <= 65535:
@@ -87,7 +97,7 @@ def detect_launch(environ=os.environ) -> LaunchEnv:
         job = _int(environ, "SLURM_JOB_ID") if environ.get("SLURM_JOB_ID") else 0
         env = LaunchEnv(_int(environ, "SLURM_PROCID"), _int(environ, ntasks_key),
                         _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
-                        int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1),
+                        _tasks_per_node(environ),
                         addr, _port(environ, 29500 + job % 1000), "slurm")
     else:
         return LaunchEnv()

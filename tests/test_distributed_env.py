@@ -36,6 +36,13 @@ def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
 
+@pytest.mark.parametrize("value,want", [("4", 4), ("4(x2)", 4), ("2,1", 2)])
+def test_slurm_tasks_per_node_forms(value, want):
+    env = detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a1",
+                         "SLURM_NTASKS_PER_NODE": value})
+    assert env.local_world_size == want
+
+
 def test_single_process_without_launcher():
     env = detect_launch({})
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
@@ -50,6 +57,8 @@ def test_single_process_without_launcher():
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a1", "SLURM_JOB_ID": "x"},
      "SLURM_JOB_ID='x' is not an integer"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a1", "SLURM_NTASKS_PER_NODE": "abc"},
+     "SLURM_NTASKS_PER_NODE='abc' is not a task count"),
 ])
 def test_inconsistent_launcher_variables_are_clear_errors(environ, match):
     with pytest.raises(UserError, match=match):
