@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.rendezvous import FailureChannel, finish, rendezvous
-from utils.errors import UserError
+from utils.errors import NothingToDo, UserError
 from utils.schema import ParallelConfig, data_parallel_size
 
 
@@ -246,6 +246,11 @@ def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
         channel.start()
     try:
         yield world
+    except NothingToDo:  # every rank reached the same verdict: end as a success
+        if channel is not None:
+            finish(world.store, channel, world.rank, world.world_size, parallel.collective_timeout_s)
+        shutdown()
+        raise
     except BaseException as exc:
         if channel is not None:
             channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")

@@ -138,6 +138,38 @@ def test_abandoned_and_skipped_epochs(loaders):
     assert_same([next(new)], epoch_batches(native.train, 10, limit=1), "epoch 10")
 
 
+def test_start_batch_resumes_mid_epoch(loaders):
+    """``set_epoch(epoch, start_batch)`` (exact resume): a pipeline whose first epoch starts at that batch."""
+    dali, native = loaders()
+    train, n = dali.train, len(dali.train)
+    k = n // 2
+    full = {e: epoch_batches(native.train, e) for e in (6, 7, 8)}
+
+    train.set_epoch(6, k)
+    assert len(train) == n
+    assert_same(epoch_batches(train), full[6][k:], f"epoch 6 from batch {k}")
+    pipe = weakref.ref(train._pipe)
+    # the pipeline goes on with whole epochs
+    assert_same(epoch_batches(train, 7), full[7], "epoch 7 after a resumed epoch 6")
+    assert train._pipe is pipe()
+    # a pipeline at the right epoch cannot jump ahead: it is replaced
+    train.set_epoch(8, n - 1)
+    assert_same(epoch_batches(train), full[8][n - 1:], "epoch 8 from its last batch")
+    assert pipe() is None
+
+    # the short last batch of validation, trimmed as in a full pass
+    valid = epoch_batches(native.valid)
+    dali.valid.set_epoch(0, len(valid) - 2)
+    assert_same(epoch_batches(dali.valid), valid[-2:], "valid from its last but one batch")
+    assert_same(epoch_batches(dali.valid), valid, "valid, whole again")
+
+    train.set_epoch(9, n)
+    assert epoch_batches(train) == []
+    for bad in (-1, n + 1):
+        with pytest.raises(ValueError, match=rf"start_batch must be in \[0, {n}\]"):
+            train.set_epoch(9, bad)
+
+
 def test_close_ends_the_worker_processes(loaders):
     dali, _ = loaders()
     next(iter(dali.valid))  # a pipeline with running workers, if none was left by the tests above

@@ -242,6 +242,82 @@ def test_workers_give_the_same_batches(layout):
         assert torch.equal(i0, i2) and torch.equal(t0, t2)
 
 
+def take(batches) -> list:
+    """One iteration of ``batches`` as copies ``(inp, tar, idx)``."""
+    return [(inp.clone(), tar.clone(), idx.clone()) for inp, tar, idx in batches]
+
+
+def assert_batches_equal(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for b, ((inp, tar, idx), (w_inp, w_tar, w_idx)) in enumerate(zip(got, want)):
+        assert torch.equal(idx, w_idx), f"batch {b}: indices {idx} vs {w_idx}"
+        assert torch.equal(inp, w_inp) and torch.equal(tar, w_tar), f"batch {b}"
+
+
+def assert_resumes_mid_epoch(batches, epoch: int, start: int) -> None:
+    """``set_epoch(epoch, start)`` yields the tail of the full epoch from batch ``start``, for one
+    iteration only; ``epoch + 1`` then comes whole; a start outside ``[0, len]`` is refused."""
+    n = len(batches)
+    assert 0 < start < n
+    full = {}
+    for e in (epoch, epoch + 1):
+        batches.set_epoch(e)
+        full[e] = take(batches)
+    batches.set_epoch(epoch, start)
+    assert len(batches) == n  # still the full epoch's length
+    assert_batches_equal(take(batches), full[epoch][start:])
+    assert_batches_equal(take(batches), full[epoch])  # the next iteration starts at 0 again
+    batches.set_epoch(epoch + 1)
+    assert_batches_equal(take(batches), full[epoch + 1])
+    batches.set_epoch(epoch, n)
+    assert take(batches) == []
+    for bad in (-1, n + 1):
+        with pytest.raises(ValueError, match=rf"start_batch must be in \[0, {n}\]"):
+            batches.set_epoch(epoch, bad)
+
+
+@pytest.fixture(scope="module")
+def long_layout(tmp_path_factory):
+    """15 training samples: with batch size 1, more batches than a loader with 2 workers has slots."""
+    root = tmp_path_factory.mktemp("era5_long")
+    make_layout(root, train_lengths=(9, 8))
+    return root
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_start_batch_yields_the_rest_of_the_epoch(long_layout, workers):
+    data = build(long_layout, 1, num_data_workers=workers)
+    train = data.train
+    assert len(train) == 15 > 2 * workers + 2  # slot numbers wrap around
+    # an epoch left early (workers still busy with its batches) before the resumed one
+    train.set_epoch(0)
+    it = iter(train)
+    next(it), next(it)
+    assert_resumes_mid_epoch(train, 3, 7)
+
+
+def test_start_batch_does_not_read_skipped_samples(long_layout, monkeypatch):
+    data = build(long_layout, 2)  # no workers: every read happens in this process
+    reads = []
+    read = ERA5Dataset.read
+
+    def counted(self, file_no, t, out=None):
+        reads.append((file_no, t))
+        return read(self, file_no, t, out)
+
+    monkeypatch.setattr(ERA5Dataset, "read", counted)
+    data.train.set_epoch(2, 4)
+    indices = [i for _, _, idx in data.train for i in idx.tolist()]
+    assert len(indices) == (len(data.train) - 4) * 2 == 6
+    ds = data.train_dataset
+    assert reads == [(f, t + d) for f, t in map(ds.locate, indices) for d in (0, ds.dt)]
+
+
+def test_synthetic_start_batch(tmp_path):
+    data = build(tmp_path / "nothing_here", 4, data_loader_config="synthetic", limit_nsamples=64)
+    assert_resumes_mid_epoch(data.train, 1, 5)
+
+
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_synthetic_loader_shapes(tmp_path, dp_size):
     data = build(tmp_path / "nothing_here", 4, 0, dp_size, data_loader_config="synthetic", limit_nsamples=64)

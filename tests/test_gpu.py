@@ -101,7 +101,7 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
     trainer = Trainer(cfg, init_distributed(cfg.parallel))
     batches = iter(trainer.data.train)
     pending = trainer.train_step(batches)
-    trainer.step += 1
+    trainer.state.step += 1
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -109,7 +109,7 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
             check = trainer.train_step(batches)
             trainer._check_finite(pending)
             pending = check
-            trainer.step += 1
+            trainer.state.step += 1
             trainer._progress_update(None, step, 3, 0)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -103,11 +103,16 @@ def test_compare_runs_table_json_and_plots(four_runs):
 def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
     first = _train(tmp_path, tiny_data, "--run_num", "07")
     assert first.returncode == 0, first.stderr
-    again = _train(tmp_path, tiny_data, "--run_num", "07")
-    assert again.returncode == 2
-    assert again.stderr.strip().startswith("error: run directory") and "already holds a run" in again.stderr
-    assert "--run_num" in again.stderr and "Traceback" not in again.stderr
     run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "07"
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    again = _train(tmp_path, tiny_data, "--run_num", "07")  # the same command: the run is complete
+    assert again.returncode == 0 and "is complete (16 iterations)" in again.stdout, again.stderr
+    never = _train(tmp_path, tiny_data, "--run_num", "07", "--resume", "never")
+    assert never.returncode == 2 and never.stderr.strip().startswith("error: run directory")
+    assert "already holds a run" in never.stderr and "--run_num" in never.stderr and "Traceback" not in never.stderr
+    longer = _train(tmp_path, tiny_data, "--run_num", "07", "--num_iters", "24")  # no checkpoint to go on from
+    assert longer.returncode == 2 and "no complete checkpoint to resume from" in longer.stderr
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
-    epochs = [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert epochs == [0, 1]  # one run's two epochs, nothing appended
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing appended
+    fresh = _train(tmp_path, tiny_data, "--lr", "5e-3")  # another config: a new run number
+    assert fresh.returncode == 0 and (tmp_path / "runs" / "tiny" / "1GPU" / "08").is_dir()

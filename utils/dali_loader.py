@@ -30,6 +30,11 @@ Epochs: the worker processes cannot see ``set_epoch``, so the callback derives t
 stop being consecutive. An epoch that was not iterated to the end is finished by running its
 few remaining batches when at most ``DRAIN_LIMIT`` are left (e.g. with gradient accumulation),
 else the pipeline is rebuilt: DALI cannot reset a pipeline mid-epoch.
+
+Starting mid-epoch (``set_epoch(epoch, start_batch)``, exact resume): a pipeline is built whose
+first DALI epoch skips ``start_batch`` batches without reading them (the callback maps position
+``p`` of that epoch to ``start_batch * batch_size + p``, so it ends ``start_batch`` batches early);
+its later DALI epochs are whole. A pipeline already built is replaced, as it cannot jump ahead.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
-from utils.data_loader import ERA5Dataset, Stats
+from utils.data_loader import ERA5Dataset, Stats, check_start_batch
 from utils.errors import UserError
 
 # finish an abandoned epoch by running at most this many batches; rebuild the pipeline otherwise
@@ -73,17 +78,20 @@ class SampleSource:
     cropped, not normalized), ``index`` a 0-d int64 array, ``error`` uint8 ``(n,)``: empty, or
     the UTF-8 message of the UserError that reading the sample raised (``inp``/``tar`` are then
     zeros). The order of an epoch is the sampler's for that epoch; positions
-    ``[len(sampler), n_batches * batch_size)`` are padding: zeros with index -1. Raises
-    StopIteration at the end of an epoch.
+    ``[len(sampler), n_batches * batch_size)`` are padding: zeros with index -1. The pipeline's
+    first DALI epoch starts at batch ``start_batch`` of its epoch (position ``p`` is sample
+    ``start_batch * batch_size + p``), later ones at 0. Raises StopIteration at the end of an epoch.
 
     Picklable for ``py_start_method="spawn"``: HDF5 handles are opened lazily in each worker
     and dropped when pickling.
     """
 
-    def __init__(self, sampler: DistributedSampler, *, batch_size: int, n_batches: int, epoch_offset: int):
+    def __init__(self, sampler: DistributedSampler, *, batch_size: int, n_batches: int, epoch_offset: int,
+                 start_batch: int):
         self.sampler = sampler
         self.epoch_len = n_batches * batch_size
         self.epoch_offset = epoch_offset
+        self.skip = start_batch * batch_size  # samples skipped in the first DALI epoch
         self._order: list[int] = []
         self._order_epoch: int | None = None
 
@@ -103,13 +111,14 @@ class SampleSource:
         return self._order
 
     def __call__(self, info):
-        if info.idx_in_epoch >= self.epoch_len:
+        pos = info.idx_in_epoch + (self.skip if info.epoch_idx == 0 else 0)
+        if pos >= self.epoch_len:
             raise StopIteration
         order = self.order(self.epoch_offset + info.epoch_idx)
-        if info.idx_in_epoch >= len(order):  # padding of the last validation batch
+        if pos >= len(order):  # padding of the last validation batch
             return self._blank(-1, b"")
         ds = self.sampler.dataset
-        index = order[info.idx_in_epoch]
+        index = order[pos]
         file_no, t = ds.locate(index)
         try:
             inp, tar = ds.read(file_no, t), ds.read(file_no, t + ds.dt)
@@ -134,6 +143,8 @@ class DaliBatches:
     int64 ``(B,)`` on the CPU; ``B`` is ``batch_size`` except for the last validation batch. On
     CUDA the pipeline runs on ``device`` (``.gpu()``, normalization there); on the CPU it is a
     CPU-only pipeline (``device_id=None``). Only the newest iterator of a loader may be used.
+    After ``set_epoch(epoch, start_batch)`` the next iteration yields only the batches
+    ``start_batch, ..., len - 1`` of the epoch.
 
     Raises:
         UserError: DALI is not installed; while iterating, a sample cannot be read (the message
@@ -153,26 +164,33 @@ class DaliBatches:
         self.n_real = len(sampler)
         self.n_batches = self.n_real // batch_size if train else math.ceil(self.n_real / batch_size)
         self.epoch = 0
+        self.start = 0  # first batch of the next iteration
         self._pipe = None
         self._pipe_epoch = 0  # epoch of the pipeline's current DALI epoch
-        self._pos = 0  # batches taken from the pipeline in its current DALI epoch
+        self._pos = 0  # number in its epoch of the pipeline's next batch (> 0: mid-epoch)
         self._token = 0  # identifies the newest iterator
 
     def __len__(self) -> int:
         return self.n_batches
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Iterate ``epoch`` next; that iteration (only) starts at batch ``start_batch``.
+
+        Raises:
+            ValueError: ``start_batch`` is not in ``[0, len(self)]``.
+        """
+        check_start_batch(start_batch, self.n_batches)
+        self.epoch, self.start = epoch, start_batch
 
     # ------------------------------------------------------------------ pipeline
-    def _build(self, epoch: int):
+    def _build(self, epoch: int, start_batch: int):
         Pipeline, fn, types = self._dali
         cuda = self.device.type == "cuda"
         device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
         c, (h, w) = self.dataset.n_channels, self.dataset.img_size
         source = SampleSource(self.sampler, batch_size=self.batch_size, n_batches=self.n_batches,
-                              epoch_offset=epoch)
+                              epoch_offset=epoch, start_batch=start_batch)
         pipe = Pipeline(batch_size=self.batch_size, num_threads=max(1, min(4, os.cpu_count() or 1)),
                         device_id=device_id, prefetch_queue_depth=PREFETCH_DEPTH, exec_dynamic=True,
                         py_num_workers=self.num_workers, py_start_method="spawn")
@@ -188,7 +206,7 @@ class DaliBatches:
             # same float32 operations, in the same order, as DeviceBatches: (x - mean) / std
             pipe.set_outputs((inp - mean) / std, (tar - mean) / std, idx, error)
         pipe.build()  # spawns the workers
-        self._pipe, self._pipe_epoch, self._pos = pipe, epoch, 0
+        self._pipe, self._pipe_epoch, self._pos = pipe, epoch, start_batch
 
     def close(self) -> None:
         """Shut the pipeline down and end its worker processes (a later iteration builds a new one)."""
@@ -217,18 +235,18 @@ class DaliBatches:
         self._pipe_epoch += 1
         self._pos = 0
 
-    def _prepare(self, epoch: int) -> None:
-        """Leave a pipeline whose next batch is the first of ``epoch``."""
+    def _prepare(self, epoch: int, start_batch: int) -> None:
+        """Leave a pipeline whose next batch is batch ``start_batch`` of ``epoch``."""
         if self._pipe is not None and self._pos > 0:
             if self.n_batches - self._pos <= DRAIN_LIMIT:
                 self._finish_epoch()
             else:
                 self.close()
-        # without shuffling the order does not depend on the epoch
-        if self._pipe is not None and self.sampler.shuffle and self._pipe_epoch != epoch:
+        # without shuffling the order does not depend on the epoch; only a new pipeline starts mid-epoch
+        if self._pipe is not None and ((self.sampler.shuffle and self._pipe_epoch != epoch) or start_batch):
             self.close()
         if self._pipe is None:
-            self._build(epoch)
+            self._build(epoch, start_batch)
 
     # ------------------------------------------------------------------ iteration
     def _to_torch(self, outputs):
@@ -265,9 +283,11 @@ class DaliBatches:
 
     def __iter__(self) -> Iterator:
         self._token += 1
-        if self.n_batches == 0:  # an empty shard (build_data refuses one, direct use may not): no pipeline
+        start, self.start = self.start, 0
+        # nothing to yield (also an empty shard, which build_data refuses but direct use may not): no pipeline
+        if start == self.n_batches:
             return iter(())
-        self._prepare(self.epoch)
+        self._prepare(self.epoch, start)
         return self._batches(self._token)
 
 

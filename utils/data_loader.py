@@ -279,20 +279,42 @@ class SlotFiller(Dataset):
         return FilledBatch(batch_no, torch.as_tensor(indices, dtype=torch.int64), error)
 
 
+def check_start_batch(start_batch: int, n_batches: int) -> None:
+    """Raise ValueError unless ``0 <= start_batch <= n_batches`` (``n_batches``: an empty remainder)."""
+    if not 0 <= start_batch <= n_batches:
+        raise ValueError(f"start_batch must be in [0, {n_batches}] (the batches of an epoch), got {start_batch}")
+
+
 class NumberedBatches(Sampler):
-    """Batches of a sampler's indices, numbered: yields ``(batch_no, [indices])``."""
+    """Batches of a sampler's indices, numbered: yields ``(batch_no, [indices])``.
+
+    ``len`` is the number of batches of a full epoch; an iteration yields the batches from
+    ``start`` (set with :meth:`set_epoch`) to the end, numbered as in the full epoch.
+    """
 
     def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool):
         self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        self.start = 0  # first batch of the next iteration
 
     def __len__(self) -> int:
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Order the samples for ``epoch``; the next iteration (only) starts at batch ``start_batch``.
+
+        Raises:
+            ValueError: ``start_batch`` is not in ``[0, len(self)]``.
+        """
+        check_start_batch(start_batch, len(self))
+        self.sampler.set_epoch(epoch)
+        self.start = start_batch
+
     def __iter__(self):
-        indices = list(self.sampler)
-        for b in range(len(self)):
-            yield b, indices[b * self.batch_size:(b + 1) * self.batch_size]
+        # not a generator: the start is taken (and reset) when the iteration begins
+        start, self.start = self.start, 0
+        indices = list(self.sampler)  # only indices: the skipped batches' samples are never read
+        return ((b, indices[b * self.batch_size:(b + 1) * self.batch_size]) for b in range(start, len(self)))
 
 
 class DeviceRing:
@@ -328,9 +350,14 @@ class DeviceBatches:
     Iterating raises UserError (in this process, also for reads done by workers) when a sample
     cannot be read, naming the file and time index.
 
+    ``set_epoch(epoch, start_batch)`` makes the next iteration yield only the batches
+    ``start_batch, ..., len - 1`` of the epoch (exact resume); the skipped samples are not read.
+
     A slot is rewritten only after its copy has finished: a DataLoader with ``P`` batches in
     flight hands out batch ``j + P`` while batch ``j`` is returned, so with ``K = P + 2`` slots
-    the slot of ``j + P`` last held batch ``j - 2``, whose copy is waited for first.
+    the slot of ``j + P`` last held batch ``j - 2``, whose copy is waited for first. Batch numbers
+    keep their epoch meaning when an iteration starts at batch ``s > 0``: every copy is waited
+    for before it starts, so the first ``P`` batches and the slots of batches ``j - 2 < s`` are free.
     """
 
     def __init__(self, dataset: ERA5Dataset, sampler: DistributedSampler, batch_size: int, drop_last: bool,
@@ -350,8 +377,13 @@ class DeviceBatches:
     def __len__(self) -> int:
         return len(self.batches)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Order the samples for ``epoch``; the next iteration (only) starts at batch ``start_batch``.
+
+        Raises:
+            ValueError: ``start_batch`` is not in ``[0, len(self)]``.
+        """
+        self.batches.set_epoch(epoch, start_batch)
 
     def _wait_slot(self, batch_no: int) -> None:
         event = self.copied[batch_no % self.slots.k]
@@ -362,8 +394,9 @@ class DeviceBatches:
         if self.loader is not None:
             for event in filter(None, self.copied):  # a previous, abandoned epoch may still be copying
                 event.synchronize()
+            first = self.batches.start  # iter() takes it from self.batches
             it = iter(self.loader)
-            for j in range(len(self.batches)):
+            for j in range(first, len(self.batches)):
                 self._wait_slot(j - 2)  # receiving batch j releases batch j + P to a worker
                 yield self._checked(next(it))
         else:
@@ -431,7 +464,8 @@ class SyntheticBatches:
     """Random normalized batches made on the device: the compute ceiling, no I/O.
 
     Yields ``n_batches`` pairs of float32 ``(B, C, H, W)`` standard-normal tensors (made once
-    and reused, so generation costs nothing per step) and dummy indices.
+    and reused, so generation costs nothing per step) and dummy indices; ``n_batches - start_batch``
+    after ``set_epoch(epoch, start_batch)``.
     """
 
     def __init__(self, n_batches: int, batch_size: int, n_channels: int, img_size, device, seed: int = 0):
@@ -441,16 +475,23 @@ class SyntheticBatches:
         self.tar = torch.randn(shape, generator=gen, device=device)
         self.idx = torch.arange(batch_size)
         self.n_batches = n_batches
+        self.start = 0  # first batch of the next iteration
 
     def __len__(self) -> int:
         return self.n_batches
 
-    def set_epoch(self, epoch: int) -> None:
-        pass
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The next iteration (only) starts at batch ``start_batch`` (the batches do not depend on the epoch).
+
+        Raises:
+            ValueError: ``start_batch`` is not in ``[0, len(self)]``.
+        """
+        check_start_batch(start_batch, self.n_batches)
+        self.start = start_batch
 
     def __iter__(self):
-        for _ in range(self.n_batches):
-            yield self.inp, self.tar, self.idx
+        start, self.start = self.start, 0
+        return ((self.inp, self.tar, self.idx) for _ in range(start, self.n_batches))
 
 
 @dataclass

@@ -7,16 +7,24 @@ class UserError(Exception):
     """Bad input from the user (config, data, environment). The message names the problem and the fix."""
 
 
+class NothingToDo(Exception):
+    """The command has nothing to do (the run it names is complete): its message is printed, exit 0."""
+
+
 class NonFiniteError(UserError):
     """NaN or Inf found in a batch or in the loss."""
 
 
 def exit_status(main, *args, **kwargs) -> int:
-    """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0, or 2 with
-    ``error: <message>`` on stderr (no traceback) for a :class:`UserError`."""
+    """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0 (also after
+    :class:`NothingToDo`, whose message goes to stdout), or 2 with ``error: <message>`` on stderr
+    (no traceback) for a :class:`UserError`."""
     import sys
     try:
         main(*args, **kwargs)
+        return 0
+    except NothingToDo as exc:
+        print(exc, flush=True)
         return 0
     except UserError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)  # always one line

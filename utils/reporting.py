@@ -22,13 +22,15 @@ import logging
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.errors import UserError
+from utils.errors import NothingToDo, UserError
 from utils.memory import format_memory
 from utils.schema import LoggingConfig
 
@@ -43,39 +45,112 @@ def run_parent(logging_cfg: LoggingConfig, config_name: str, world_size: int) ->
     return Path(logging_cfg.expdir) / config_name / f"{world_size}GPU"
 
 
-def claim_run_dir(logging_cfg: LoggingConfig, config_name: str, world_size: int) -> Path:
-    """Create this run's directory; ``run_num`` ``auto`` takes the next free number (00, 01, ...).
+# keys that may differ between a run and the command that continues it
+CONTINUATION_KEYS = ("run_num", "description", "num_iters", "resume", "checkpoint_every_steps",
+                     "checkpoint_every_minutes", "keep_checkpoints", "async_checkpoint", "log_every",
+                     "num_data_workers", "rendezvous_timeout_s", "collective_timeout_s")
+
+
+@dataclass
+class RunDir:
+    """This run's directory; ``resume``: continue the run already in it from its latest checkpoint."""
+
+    path: Path
+    resume: bool = False
+
+
+def open_run_dir(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int,
+                 flat_config: dict) -> RunDir:
+    """The directory of this run: a new one, or (``resume`` auto) the unfinished run this command continues.
+
+    ``--run_num auto`` continues the newest run of this config and world size when its config is the
+    same (up to :data:`CONTINUATION_KEYS`) and it can go on; otherwise it takes the next free number.
+    An explicit ``--run_num`` continues that run, or starts it when the directory is new.
 
     Raises:
-        UserError: the directory already holds a run (a second run never appends to it), or it
-            cannot be created.
+        NothingToDo: the run is complete (``num_iters`` reached): nothing to do.
+        UserError: the run cannot be continued (``--resume never``, or no checkpoint to resume
+            from), or the directory cannot be created.
     """
     parent = run_parent(logging_cfg, config_name, world_size)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         if logging_cfg.run_num != "auto":
-            return _claim(parent / logging_cfg.run_num)
-        while True:  # another job may claim the same number between the scan and mkdir
-            taken = [int(p.name) for p in parent.iterdir() if re.fullmatch(r"\d+", p.name)]
-            try:
-                return _claim(parent / f"{max(taken, default=-1) + 1:02d}", auto=True)
-            except FileExistsError:
-                continue
+            path = parent / logging_cfg.run_num
+            return RunDir(path, _continues(path, resume, flat_config, explicit=True)) if _holds_run(path) \
+                else RunDir(_claim(path))
+        newest = _newest_run(parent)
+        if resume == "auto" and newest is not None and _same_run(newest, flat_config):
+            if _continues(newest, resume, flat_config, explicit=False):
+                return RunDir(newest, True)
+        return RunDir(_claim_next(parent))
     except OSError as exc:
         raise UserError(f"cannot create run directory under {parent} ({exc.strerror or exc}); "
                         "pass a writable --expdir") from None
 
 
+def _holds_run(path: Path) -> bool:
+    return path.is_dir() and any(path.iterdir())
+
+
+def _newest_run(parent: Path) -> Path | None:
+    numbered = [p for p in parent.iterdir() if re.fullmatch(r"\d+", p.name) and _holds_run(p)]
+    return max(numbered, key=lambda p: int(p.name), default=None)
+
+
+def _record(path: Path) -> dict:
+    try:
+        return json.loads((path / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _same_run(path: Path, flat_config: dict) -> bool:
+    old = _record(path).get("config", {})
+    return all(old.get(k) == v for k, v in flat_config.items() if k not in CONTINUATION_KEYS)
+
+
+def has_checkpoint(path: Path) -> bool:
+    """Whether the run directory holds a complete sharded checkpoint (``checkpoints/latest``)."""
+    return (path / "checkpoints" / "latest").is_file()
+
+
+def _continues(path: Path, resume: str, flat_config: dict, explicit: bool) -> bool:
+    """Whether this command continues the run in ``path`` (False: start a new run elsewhere).
+
+    Raises NothingToDo or UserError as :func:`open_run_dir` documents."""
+    record = _record(path)
+    done = record.get("status") == "completed" and \
+        record.get("config", {}).get("num_iters", 0) >= flat_config["num_iters"]
+    if resume != "auto":
+        if explicit:
+            raise UserError(f"run directory {path} already holds a run; continue it with --resume auto, or pass "
+                            "a new --run_num (--run_num auto takes the next free one)")
+        return False
+    if done:
+        raise NothingToDo(f"run {path} is complete ({record['config']['num_iters']} iterations); raise "
+                          "--num_iters to continue it, or pass a new --run_num for another run")
+    if has_checkpoint(path):
+        return True
+    if explicit:
+        raise UserError(f"run directory {path} holds a run with no complete checkpoint to resume from; pass a "
+                        "new --run_num (--run_num auto takes the next free one), or move that directory away")
+    return False
+
+
+def _claim_next(parent: Path) -> Path:
+    while True:  # another job may claim the same number between the scan and mkdir
+        taken = [int(p.name) for p in parent.iterdir() if re.fullmatch(r"\d+", p.name)]
+        try:
+            return _claim(parent / f"{max(taken, default=-1) + 1:02d}", auto=True)
+        except FileExistsError:
+            continue
+
+
 def _claim(path: Path, auto: bool = False) -> Path:
     if path.is_dir() and not any(path.iterdir()):
         return path  # made by hand, empty: nothing to mix with
-    try:
-        path.mkdir()
-    except FileExistsError:
-        if auto:
-            raise
-        raise UserError(f"run directory {path} already holds a run; pass a new --run_num (or --run_num auto "
-                        "for the next free one), or move that directory away") from None
+    path.mkdir(exist_ok=not auto)
     return path
 
 
@@ -139,6 +214,14 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         raise
 
 
+def disk_free(directory: Path) -> str:
+    """``"N GiB free there"`` for a message about a failed write."""
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 # ---------------------------------------------------------------- reporter
 def tensorboard_tag(key: str) -> str:
     """TensorBoard tag of a record key: sectioned keys as they are, throughput under ``perf/``."""
@@ -163,24 +246,49 @@ class Reporter:
         self.cfg, self.run_dir, self.key_channels = cfg, run_dir, key_channels
         self.writer = None
         self.record: dict[str, Any] = {}
-        self.t0 = time.perf_counter()
+        self.t0, self.elapsed_before = time.perf_counter(), 0.0
 
-    def start(self, record: dict[str, Any], config_yaml: str, metric_tags: list[str]) -> None:
+    def elapsed(self) -> float:
+        """Training wall-clock seconds of this run, resumed parts included."""
+        return self.elapsed_before + time.perf_counter() - self.t0
+
+    def start(self, record: dict[str, Any], config_yaml: str, metric_tags: list[str],
+              resumed_step: int | None = None, elapsed_before: float = 0.0) -> None:
         """Write ``run.json``, ``config.yaml`` and the HParams entry (the resolved config, with
-        ``metric_tags`` as the metrics the HParams tab shows)."""
-        self.t0 = time.perf_counter()
+        ``metric_tags`` as the metrics the HParams tab shows).
+
+        A run resumed at ``resumed_step`` keeps its first start time, lists each resume in
+        ``run.json``, drops the epochs after that step from ``metrics.jsonl`` and has TensorBoard
+        purge its events from that step on, so no point appears twice.
+        """
+        self.t0, self.elapsed_before = time.perf_counter(), elapsed_before
         if self.run_dir is None:
             return
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
+        if resumed_step is not None:
+            record = self._resumed_record(record, resumed_step)
+            self._truncate_metrics(resumed_step)
         self.record = record
         write_json_atomic(self.run_dir / "run.json", record)
         (self.run_dir / "config.yaml").write_text(config_yaml)
-        self.writer = SummaryWriter(log_dir=str(self.run_dir))
+        purge = None if resumed_step is None else resumed_step + 1
+        self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge)
         hp = {k: hparam_value(v) for k, v in record["config"].items()}
         hp.update(world_size=record["world_size"], **{f"mesh_{k}": v for k, v in record["mesh"].items()})
         for summary in hparams(hp, {tag: 0.0 for tag in metric_tags}):
             self.writer.file_writer.add_summary(summary)
+
+    def _resumed_record(self, record: dict[str, Any], step: int) -> dict[str, Any]:
+        first = _record(self.run_dir)
+        resumes = first.get("resumes", []) + [{"time": _now(), "step": step, "command": record["command"]}]
+        return {**record, "started": first.get("started", record["started"]), "resumes": resumes}
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["iteration"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
 
     def progress(self, text: str) -> None:
         if self.run_dir is not None:
@@ -190,16 +298,21 @@ class Reporter:
         """Report one epoch: the console line, TensorBoard scalars and a ``metrics.jsonl`` line."""
         if self.run_dir is None:
             return
-        record = {**record, "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+        record = {**record, "elapsed_s": round(self.elapsed(), 3)}
         log.info(self.epoch_line(record, n_epochs))
         log.info(format_memory({k[len("memory/"):]: v for k, v in record.items() if k.startswith("memory/")}))
-        step = record["iteration"]
-        for key, value in record.items():
-            if key not in NOT_SCALARS and not key.endswith("_rank") and isinstance(value, (int, float)):
-                self.writer.add_scalar(tensorboard_tag(key), value, step)
-        self.writer.flush()
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            for key, value in record.items():
+                if key not in NOT_SCALARS and not key.endswith("_rank") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(tensorboard_tag(key), value, record["iteration"])
+            self.writer.flush()
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # TensorBoard's writer thread re-raises its own write errors here
+            self.writer = None  # it cannot be flushed or closed any more
+            raise UserError(f"writing the run's logs in {self.run_dir} failed: {exc.strerror or exc} "
+                            f"({disk_free(self.run_dir)}); free space or pass --expdir on a larger "
+                            "filesystem") from None
 
     def epoch_line(self, r: dict[str, Any], n_epochs: int) -> str:
         line = (f"epoch {r['epoch'] + 1}/{n_epochs} | {r['epoch_time_s']:.2f} s | {r['samples_per_s']:.1f} samples/s"
@@ -210,9 +323,10 @@ class Reporter:
                 f"{k} {r[f'rmse/{k}']:.4g} (persistence {r[f'rmse_persistence/{k}']:.4g})" for k in self.key_channels)
         return line
 
-    def figure(self, tag: str, fig, epoch: int) -> None:
+    def figure(self, tag: str, fig, step: int) -> None:
+        """A matplotlib figure at optimizer step ``step``."""
         if self.writer is not None:
-            self.writer.add_figure(tag, fig, global_step=epoch)
+            self.writer.add_figure(tag, fig, global_step=step)
 
     def close(self, error: BaseException | None = None) -> None:
         """Flush and close the writer; mark ``run.json`` completed or failed (with the error)."""
@@ -222,7 +336,7 @@ class Reporter:
             self.writer.close()
             self.writer = None
         status = "completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-        self.record.update(finished=_now(), status=status, wall_s=round(time.perf_counter() - self.t0, 1),
+        self.record.update(finished=_now(), status=status, wall_s=round(self.elapsed(), 1),
                            error=None if error is None else str(error) or type(error).__name__)
         try:
             write_json_atomic(self.run_dir / "run.json", self.record)

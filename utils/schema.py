@@ -132,9 +132,16 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints (``distributed/checkpoint.py``)."""
+    """Sharded checkpoints, resume and the model export (``distributed/checkpoint.py``)."""
 
-    save_checkpoint: bool = key(True, "write checkpoints/model.pt (full layout) every epoch")
+    save_checkpoint: bool = key(True, "write sharded checkpoints and, at the end, checkpoints/model.pt")
+    checkpoint_every_steps: int = key(0, "checkpoint every N optimizer steps (0: only at the end)", NON_NEGATIVE)
+    checkpoint_every_minutes: float = key(0.0, "checkpoint when M minutes passed since the last one (0: off)",
+                                          NON_NEGATIVE)
+    keep_checkpoints: int = key(2, "complete checkpoints kept; older ones are deleted", AT_LEAST_1)
+    async_checkpoint: bool = key(False, "write checkpoints in the background (DCP async_save)")
+    resume: str = key("auto", "auto: continue this run from its latest complete checkpoint; never; or a "
+                              "checkpoint folder to start from")
 
 
 @dataclass
@@ -355,7 +362,7 @@ def validate(cfg: Config, launch: Launch) -> None:
     Raises:
         UserError: the first problem found, naming the keys involved and a fix.
     """
-    for check in (_check_model, _check_batches, _check_precision, _check_parallel, _check_paths):
+    for check in (_check_model, _check_batches, _check_precision, _check_parallel, _check_checkpoint, _check_paths):
         check(cfg, launch)
 
 
@@ -448,6 +455,17 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
         if cfg.precision.amp_mode == "fp16":
             raise UserError("--fsdp_cpu_offload cannot unscale fp16 gradients on the host; "
                             "use --amp_mode bf16 (no GradScaler needed)")
+
+
+def _check_checkpoint(cfg: Config, launch: Launch) -> None:
+    c, par = cfg.checkpoint, cfg.parallel
+    periodic = c.checkpoint_every_steps or c.checkpoint_every_minutes
+    if (periodic or c.resume not in ("auto", "never")) and (par.tensor_parallel > 1 or par.context_parallel > 1):
+        raise UserError("sharded checkpoints and --resume PATH do not support tensor/context parallelism yet; "
+                        "drop --checkpoint_every_steps/--checkpoint_every_minutes/--resume PATH with tp/cp")
+    if c.resume not in ("auto", "never") and not Path(c.resume).is_dir():
+        raise UserError(f"--resume {c.resume}: no such checkpoint folder; pass auto, never, or a folder such as "
+                        "runs/<config>/<N>GPU/<run>/checkpoints")
 
 
 def _check_paths(cfg: Config, launch: Launch) -> None:

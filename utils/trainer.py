@@ -18,27 +18,29 @@ import platform
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from distributed.checkpoint import save_full_model
+from distributed.checkpoint import CheckpointManager, save_full_model
 from distributed.env import World, broadcast_from_main
 from distributed.parallelize import (AMP_DTYPES, build_parallel_model, clip_grad_norm, gradient_sync,
                                      reduce_replicated_gradients)
 from networks.vit import build_model
 from utils.config import to_yaml
 from utils.data_loader import Data, build_data
-from utils.errors import NonFiniteError, UserError
+from utils.errors import NonFiniteError, NothingToDo, UserError
 from utils.flops import peak_flops, vit_flops_per_sample
 from utils.logging_utils import setup_logging
 from utils.memory import MemoryTracker
 from utils.metrics import latitude_weights, relative_l2_loss, weighted_acc_channels, weighted_rmse_channels
 from utils.plots import prediction_figure
 from utils.profiling import ProfilerWindow, nvtx_range
-from utils.reporting import Reporter, claim_run_dir, run_record, tensorboard_tag
+from utils.reporting import Reporter, RunDir, open_run_dir, run_record, tensorboard_tag
 from utils.schema import Config, EvaluationConfig, OptimConfig, batch_sizes
+from utils.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,8 @@ class Trainer:
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
                               self.amp_dtype or torch.float32)
         # nothing above writes to disk: a bad input stops the run before its directory exists
-        self.run_dir = broadcast_from_main(
-            claim_run_dir(cfg.logging, cfg.name, world.world_size) if world.is_main else None, world)
+        run = self._open_run_dir()
+        self.run_dir = run.path
         # the trainer's own copy records the number `auto` picked (run.json, config.yaml)
         self.cfg = cfg = copy.deepcopy(cfg)
         cfg.logging.run_num = self.run_dir.name
@@ -126,10 +128,51 @@ class Trainer:
         self.lat_weights = latitude_weights(self.data.latitude, self.device)
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
-        self.step = 0
         self.data_wait = 0.0
         self.last_loss: tuple[int, float] | None = None  # (iteration, loss) of the last step read back
-        self.reporter.start(run_record(cfg.name, cfg.flat(), self._world_info()), to_yaml(cfg), self._metric_tags())
+        resumed = self._resume(run)
+        self.reporter.start(run_record(cfg.name, cfg.flat(), self._world_info()), to_yaml(cfg), self._metric_tags(),
+                            resumed_step=resumed, elapsed_before=self.state.elapsed_s)
+
+    def _open_run_dir(self) -> RunDir:
+        """Rank 0 picks the run directory (new, or the run this command continues); every rank gets the
+        same answer, or raises the same error, so none waits for the others."""
+        outcome = None
+        if self.world.is_main:
+            try:
+                c = self.cfg
+                outcome = open_run_dir(c.logging, c.checkpoint.resume, c.name, self.world.world_size, c.flat())
+            except (UserError, NothingToDo) as exc:
+                outcome = exc
+        outcome = broadcast_from_main(outcome, self.world)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _resume(self, run: RunDir) -> int | None:
+        """Load the checkpoint this run continues from (its own latest, or ``--resume PATH``); returns
+        the step it resumed at, or None for a fresh start."""
+        c = self.cfg.checkpoint
+        self.state = TrainState()
+        self.saved_step, self.checkpoint_due, self.last_checkpoint = -1, False, time.monotonic()
+        self.sharded_checkpoints = self.world.tp == self.world.cp == 1
+        if not self.sharded_checkpoints:
+            log.warning("sharded checkpoints do not support tensor/context parallelism yet: this run writes only "
+                        "the final model export and cannot be resumed")
+            return None
+        self.checkpoint = CheckpointManager(c, self.run_dir / "checkpoints", self.model, self.optimizer,
+                                            {"scheduler": self.scheduler, "scaler": self.scaler,
+                                             "train_state": self.state}, self.world)
+        source = None if run.resume or c.resume in ("auto", "never") else Path(c.resume)
+        if not run.resume and source is None:
+            return None
+        step = self.checkpoint.load(source)
+        if step is None:
+            return None
+        self.saved_step = step
+        log.info("resumed at iteration %d (epoch %d, step %d of it) from %s", step, self.state.epoch + 1,
+                 self.state.epoch_step, source or self.run_dir / "checkpoints")
+        return step if run.resume else None
 
     def _steps_per_epoch(self) -> int:
         steps = len(self.data.train) // self.accum
@@ -182,15 +225,23 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def close(self, error: BaseException | None = None) -> None:
-        """End the run: stop allocator recording, close the writers and mark ``run.json``."""
+        """End the run: finish a pending checkpoint write, stop allocator recording, close the writers
+        and mark ``run.json``."""
+        if error is None and self.sharded_checkpoints:
+            self.checkpoint.close()
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
         self.reporter.close(error)
 
     # ---------------------------------------------------------------- training
     def train(self) -> dict:
-        """Run ``num_iters`` optimizer steps; returns the last epoch's record."""
-        opt = self.cfg.optim
+        """Run optimizer steps from ``state.step`` to ``num_iters``; returns the last epoch's record.
+
+        Checkpoints are written at step boundaries (``--checkpoint_every_steps``/``_minutes``; one due at
+        an epoch's last step waits until that epoch is reported) and at the end, followed by the
+        single-file model export.
+        """
+        opt, state = self.cfg.optim, self.state
         steps_per_epoch = self.steps_per_epoch
         n_epochs = math.ceil(opt.num_iters / steps_per_epoch)
         log.info("training %d iterations: %d epochs of %d steps (%d samples/epoch); run directory %s",
@@ -198,51 +249,64 @@ class Trainer:
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100000)
         record: dict = {}
-        for epoch in range(n_epochs):
-            record = self.train_epoch(epoch, min(steps_per_epoch, opt.num_iters - self.step))
-            if (epoch + 1) % self.cfg.evaluation.valid_every == 0 or epoch == n_epochs - 1:
-                record.update(self.validate(epoch))
+        while state.step < opt.num_iters:
+            epoch = state.epoch
+            end = min(steps_per_epoch, state.epoch_step + opt.num_iters - state.step)
+            record = self.train_epoch(epoch, end)
+            if (epoch + 1) % self.cfg.evaluation.valid_every == 0 or state.step >= opt.num_iters:
+                record.update(self.validate())
+            state.epoch, state.epoch_step, state.epoch_loss_sum = epoch + 1, 0, 0.0
             self.reporter.epoch(record, n_epochs)
             if epoch == 0:
                 self._dump_memory_snapshot()
-            if self.cfg.checkpoint.save_checkpoint:
-                self.save_checkpoint(epoch)
+            if self.checkpoint_due:
+                self.save_checkpoint()
+        self.finish_checkpoints()
         return record
 
-    def train_epoch(self, epoch: int, n_steps: int) -> dict:
-        """Train ``n_steps`` optimizer steps; returns the epoch's flat record (throughput, loss, memory)."""
+    def train_epoch(self, epoch: int, end: int) -> dict:
+        """Train the steps ``state.epoch_step`` to ``end`` of ``epoch``; returns the epoch's flat record
+        (throughput, loss over the whole epoch, memory)."""
         self.model.train()
-        self.data.train.set_epoch(epoch)
+        start = self.state.epoch_step
+        self.data.train.set_epoch(epoch, start_batch=start * self.accum)
         self.memory.start_epoch()
-        loss_sum = torch.zeros((), device=self.device)
+        self.loss_sum = torch.tensor(self.state.epoch_loss_sum, device=self.device)
         pending = None  # previous step's finiteness check, read one step late to avoid a sync per step
         batches = iter(self.data.train)
-        bar = self._progress(n_steps, epoch)
+        bar = self._progress(end - start, epoch)
         self.data_wait = 0.0  # host seconds blocked waiting for the loader
         self._synchronize()
         t0 = time.perf_counter()
-        for step in range(n_steps):
+        for step in range(start, end):
             self.profiler.step(epoch, step)
-            with nvtx_range(f"step {self.step}"):
+            with nvtx_range(f"step {self.state.step}"):
                 check = self.train_step(batches)
-            loss_sum += check["loss"].detach()
+            self.loss_sum += check["loss"].detach()
             if pending is not None:
                 self._check_finite(pending)
             pending = check
-            self.step += 1
-            self._progress_update(bar, step, n_steps, epoch)
+            self.state.step += 1
+            self.state.epoch_step += 1
+            self._progress_update(bar, step, end, epoch)
+            self.checkpoint_due = self.checkpoint_due or self._checkpoint_cadence()
+            if self.checkpoint_due and step + 1 < end:  # one due at the epoch's end waits for its report
+                self._check_finite(pending)  # never checkpoint a diverged model
+                pending = None
+                self.state.epoch_loss_sum = self.loss_sum.item()
+                self.save_checkpoint()
         if pending is not None:
             self._check_finite(pending)
-        self.profiler.close(epoch, n_steps)
+        self.profiler.close(epoch, end)
         self._synchronize()
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        loss = all_reduce(loss_sum, self.world, "dp").item() / max(1, n_steps * self.world.dp)
-        samples_per_s = n_steps * self.global_bs / elapsed
-        record = {"epoch": epoch, "iteration": self.step, "epoch_time_s": elapsed, "samples_per_s": samples_per_s,
-                  "data_wait_share": self.data_wait / elapsed, "lr": self.optimizer.param_groups[0]["lr"],
-                  "loss/train": loss}
+        loss = all_reduce(self.loss_sum, self.world, "dp").item() / max(1, end * self.world.dp)
+        samples_per_s = (end - start) * self.global_bs / elapsed
+        record = {"epoch": epoch, "iteration": self.state.step, "epoch_time_s": elapsed,
+                  "samples_per_s": samples_per_s, "data_wait_share": self.data_wait / elapsed,
+                  "lr": self.optimizer.param_groups[0]["lr"], "loss/train": loss}
         if self.peak_flops:
             record["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
         record.update({f"memory/{k}": v for k, v in self.memory.end_epoch().items()})
@@ -267,7 +331,7 @@ class Trainer:
             loss_total += loss.detach()
         with nvtx_range("optimizer"):
             self._optimizer_step()
-        return {"loss": loss_total, "indices": indices, "step": self.step, **self._queue_readback(loss_total)}
+        return {"loss": loss_total, "indices": indices, "step": self.state.step, **self._queue_readback(loss_total)}
 
     def _optimizer_step(self) -> None:
         reduce_replicated_gradients(self.model)
@@ -327,7 +391,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- validation
     @torch.no_grad()
-    def validate(self, epoch: int) -> dict:
+    def validate(self) -> dict:
         """Validation loss and lat-weighted RMSE (physical units) / ACC per channel, plus persistence.
 
         Raises:
@@ -364,7 +428,7 @@ class Trainer:
         for offset, prefix in enumerate(("rmse", "acc", "rmse_persistence", "acc_persistence")):
             out.update({f"{prefix}/{n}": v for n, v in zip(names, values[offset * c:(offset + 1) * c])})
         if self.world.is_main and first is not None:
-            self._log_figure(epoch, *first)
+            self._log_figure(*first)
         return out
 
     def _raise_nonfinite_validation(self, indices: torch.Tensor, finite: torch.Tensor) -> None:
@@ -375,13 +439,13 @@ class Trainer:
         raise NonFiniteError("validation metrics are NaN/Inf with finite data: the model's predictions overflow; "
                              "lower --lr, set --max_grad_norm 1.0, or use --amp_mode bf16 instead of fp16")
 
-    def _log_figure(self, epoch: int, pred: torch.Tensor, tar: torch.Tensor) -> None:
+    def _log_figure(self, pred: torch.Tensor, tar: torch.Tensor) -> None:
         names = self.data.channel_names
         ch = names.index(self.plot_channel)
         mean, std = self.data.stats.mean[0, ch], self.data.stats.std[0, ch]
         to_np = lambda x: (x[ch] * std + mean).float().cpu().numpy()  # noqa: E731
         self.reporter.figure(f"prediction({names[ch]})/valid", prediction_figure(to_np(pred), to_np(tar), names[ch]),
-                             epoch)
+                             self.state.step)
 
     # ---------------------------------------------------------------- progress
     def _progress(self, n_steps: int, epoch: int):
@@ -395,7 +459,7 @@ class Trainer:
             bar.update(1)
         elif (step + 1) % self.cfg.logging.log_every == 0 or step + 1 == n_steps:
             # the loss already read back for the finiteness check: printing it costs no GPU sync
-            text = f"epoch {epoch + 1} step {step + 1}/{n_steps} (iteration {self.step})"
+            text = f"epoch {epoch + 1} step {step + 1}/{n_steps} (iteration {self.state.step})"
             if self.last_loss is not None:
                 text += f" loss {self.last_loss[1]:.4f} (iteration {self.last_loss[0] + 1})"
             self.reporter.progress(text)
@@ -412,10 +476,38 @@ class Trainer:
         torch.cuda.memory._record_memory_history(enabled=None)
         log.info("memory snapshot written to %s (open at https://pytorch.org/memory_viz)", path)
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """Full-layout model (loadable on one device) at ``<run_dir>/checkpoints/model.pt``; collective."""
+    # ---------------------------------------------------------------- checkpoints
+    def _checkpoint_cadence(self) -> bool:
+        """Whether a periodic checkpoint is due after this step; every rank reaches the same answer
+        (the time-based one is agreed by an all-reduce every ``log_every`` steps)."""
+        c = self.cfg.checkpoint
+        if not (c.save_checkpoint and self.sharded_checkpoints):
+            return False
+        if c.checkpoint_every_steps and self.state.step % c.checkpoint_every_steps == 0:
+            return True
+        if c.checkpoint_every_minutes and self.state.step % self.cfg.logging.log_every == 0:
+            late = time.monotonic() - self.last_checkpoint >= 60 * c.checkpoint_every_minutes
+            flag = torch.tensor(float(late), device=self.device)
+            return bool(all_reduce(flag, self.world, op=dist.ReduceOp.MAX).item())
+        return False
+
+    def save_checkpoint(self) -> None:
+        """A sharded checkpoint of model, optimizer, scheduler, GradScaler and train state (collective)."""
+        self.state.elapsed_s = self.reporter.elapsed()
+        self.checkpoint.save(self.state.step)
+        self.saved_step, self.checkpoint_due = self.state.step, False
+        self.last_checkpoint = time.monotonic()
+
+    def finish_checkpoints(self) -> None:
+        """At the end: the final sharded checkpoint, then the single-file model export (collective)."""
+        if not self.cfg.checkpoint.save_checkpoint:
+            return
+        if self.sharded_checkpoints:
+            if self.saved_step != self.state.step:
+                self.save_checkpoint()
+            self.checkpoint.wait()
         save_full_model(self.model, self.run_dir / "checkpoints" / "model.pt",
-                        {"epoch": epoch, "iteration": self.step, "config": self.cfg.flat()})
+                        {"step": self.state.step, "config": self.cfg.flat()})
 
 
 def pick_channels(cfg: EvaluationConfig, names: list[str]) -> tuple[list[str], str]:
