@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from distributed.env import World, broadcast_from_main
-from utils.errors import UserError
+from utils.errors import UserError, free_space
 from utils.schema import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -123,16 +123,9 @@ def _os_error(exc: BaseException | None) -> OSError | None:
     return exc
 
 
-def _free_space(directory: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
-    except OSError:
-        return "free space unknown"
-
-
 def _write_failed(path: Path, cause: OSError) -> str:
     """``writing checkpoint <path> failed: <reason> (<free space>)``."""
-    return f"writing checkpoint {path} failed: {cause.strerror or cause} ({_free_space(_existing_parent(path))})"
+    return f"writing checkpoint {path} failed: {cause.strerror or cause} ({free_space(_existing_parent(path))})"
 
 
 def _existing_parent(path: Path) -> Path:

@@ -31,6 +31,15 @@ def exit_status(main, *args, **kwargs) -> int:
         return 2
 
 
+def free_space(directory) -> str:
+    """``"N GiB free there"`` for the message of a failed write (full disk, quota)."""
+    import shutil
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` whose errors are one line like every other bad input:
     ``error: <message>; see --help`` on stderr and exit status 2 (argparse's own prints a usage

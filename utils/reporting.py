@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.errors import NothingToDo, UserError
+from utils.errors import NothingToDo, UserError, free_space
 from utils.memory import format_memory
 from utils.schema import LoggingConfig
 
@@ -214,14 +213,6 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         raise
 
 
-def disk_free(directory: Path) -> str:
-    """``"N GiB free there"`` for a message about a failed write."""
-    try:
-        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
-    except OSError:
-        return "free space unknown"
-
-
 # ---------------------------------------------------------------- reporter
 def tensorboard_tag(key: str) -> str:
     """TensorBoard tag of a record key: sectioned keys as they are, throughput under ``perf/``."""
@@ -311,7 +302,7 @@ class Reporter:
         except OSError as exc:  # TensorBoard's writer thread re-raises its own write errors here
             self.writer = None  # it cannot be flushed or closed any more
             raise UserError(f"writing the run's logs in {self.run_dir} failed: {exc.strerror or exc} "
-                            f"({disk_free(self.run_dir)}); free space or pass --expdir on a larger "
+                            f"({free_space(self.run_dir)}); free space or pass --expdir on a larger "
                             "filesystem") from None
 
     def epoch_line(self, r: dict[str, Any], n_epochs: int) -> str:
