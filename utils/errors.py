@@ -15,10 +15,20 @@ class NonFiniteError(UserError):
     """NaN or Inf found in a batch or in the loss."""
 
 
+# Exit status of a run stopped by SIGUSR1/SIGTERM after writing its checkpoint: EX_TEMPFAIL of
+# sysexits.h ("try again later"); submit_pm.sh requeues the job on it.
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after checkpointing: the message is printed, exit EXIT_PREEMPTED."""
+
+
 def exit_status(main, *args, **kwargs) -> int:
     """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0 (also after
-    :class:`NothingToDo`, whose message goes to stdout), or 2 with ``error: <message>`` on stderr
-    (no traceback) for a :class:`UserError`."""
+    :class:`NothingToDo`, whose message goes to stdout), :data:`EXIT_PREEMPTED` after
+    :class:`Preempted` (message to stdout), or 2 with ``error: <message>`` on stderr (no
+    traceback) for a :class:`UserError`."""
     import sys
     try:
         main(*args, **kwargs)
@@ -26,6 +36,9 @@ def exit_status(main, *args, **kwargs) -> int:
     except NothingToDo as exc:
         print(exc, flush=True)
         return 0
+    except Preempted as exc:
+        print(exc, flush=True)
+        return EXIT_PREEMPTED
     except UserError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)  # always one line
         return 2

@@ -155,11 +155,6 @@ class Trainer:
         c = self.cfg.checkpoint
         self.state = TrainState()
         self.saved_step, self.checkpoint_due, self.last_checkpoint = -1, False, time.monotonic()
-        self.sharded_checkpoints = self.world.tp == self.world.cp == 1
-        if not self.sharded_checkpoints:
-            log.warning("sharded checkpoints do not support tensor/context parallelism yet: this run writes only "
-                        "the final model export and cannot be resumed")
-            return None
         self.checkpoint = CheckpointManager(c, self.run_dir / "checkpoints", self.model, self.optimizer,
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, self.world)
@@ -227,7 +222,7 @@ class Trainer:
     def close(self, error: BaseException | None = None) -> None:
         """End the run: finish a pending checkpoint write, stop allocator recording, close the writers
         and mark ``run.json``."""
-        if error is None and self.sharded_checkpoints:
+        if error is None:
             self.checkpoint.close()
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -481,7 +476,7 @@ class Trainer:
         """Whether a periodic checkpoint is due after this step; every rank reaches the same answer
         (the time-based one is agreed by an all-reduce every ``log_every`` steps)."""
         c = self.cfg.checkpoint
-        if not (c.save_checkpoint and self.sharded_checkpoints):
+        if not c.save_checkpoint:
             return False
         if c.checkpoint_every_steps and self.state.step % c.checkpoint_every_steps == 0:
             return True
@@ -502,10 +497,9 @@ class Trainer:
         """At the end: the final sharded checkpoint, then the single-file model export (collective)."""
         if not self.cfg.checkpoint.save_checkpoint:
             return
-        if self.sharded_checkpoints:
-            if self.saved_step != self.state.step:
-                self.save_checkpoint()
-            self.checkpoint.wait()
+        if self.saved_step != self.state.step:
+            self.save_checkpoint()
+        self.checkpoint.wait()
         save_full_model(self.model, self.run_dir / "checkpoints" / "model.pt",
                         {"step": self.state.step, "config": self.cfg.flat()})
 
