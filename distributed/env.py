@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.rendezvous import FailureChannel, finish, rendezvous
-from utils.errors import NothingToDo, UserError
+from utils.errors import NothingToDo, Preempted, UserError
 from utils.schema import ParallelConfig, data_parallel_size
 
 
@@ -128,6 +128,7 @@ class World:
     dp_rank: int = 0
     meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     store: dist.Store | None = field(default=None, repr=False)
+    channel: FailureChannel | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -140,6 +141,12 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.env.rank == 0
+
+    def note_step(self, step: int) -> None:
+        """Tell the failure watchdog the iteration this rank is at (its heartbeats and the line naming
+        a stuck rank carry it); a no-op for one process."""
+        if self.channel is not None:
+            self.channel.note_step(step)
 
     def group(self, name: str):
         """Process group of mesh dimension ``name`` (``dp``, ``cp``, ``tp``), or None if size 1."""
@@ -230,33 +237,53 @@ def broadcast_from_main(obj, world: World):
     return box[0]
 
 
+def all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
+               op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce in place over mesh dimension ``dim`` (``dp``, ...) or over all ranks when None."""
+    size = world.world_size if dim is None else getattr(world, dim)
+    if dist.is_initialized() and size > 1:
+        # a size-1 dimension has no group: passing None would reduce over the whole world
+        dist.all_reduce(tensor, op=op, group=None if dim is None else world.group(dim))
+    return tensor
+
+
 @contextlib.contextmanager
 def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
-    """Yield the :class:`World`; make every rank stop, with one line, as soon as any rank fails.
+    """Yield the :class:`World`; make every rank stop, with one line, as soon as any rank fails or
+    stops answering.
 
     A :class:`distributed.rendezvous.FailureChannel` watches the job's store: an exception on one
     rank is published before it propagates, and the other ranks print it and exit (status 2)
-    instead of waiting in their next collective. A normal end passes a store barrier first, so
-    rank 0 (which hosts the store) outlives every rank still polling it.
+    instead of waiting in their next collective. A rank without a heartbeat for
+    :data:`SILENCE_SHARE` of ``collective_timeout_s`` (stopped, frozen, node lost) stops the job
+    with one line naming it, before the collective's own timeout would. A normal end (also
+    :class:`NothingToDo` and :class:`Preempted`, which every rank reaches together) passes a store
+    barrier first, so rank 0 (which hosts the store) outlives every rank still polling it.
     """
     world = init_distributed(parallel, env)
-    channel = None
     if world.store is not None:
-        channel = FailureChannel(world.store, world.rank, world.world_size)
-        channel.start()
+        world.channel = FailureChannel(world.store, world.rank, world.world_size,
+                                       silence_s=SILENCE_SHARE * parallel.collective_timeout_s)
+        world.channel.start()
     try:
         yield world
-    except NothingToDo:  # every rank reached the same verdict: end as a success
-        if channel is not None:
-            finish(world.store, channel, world.rank, world.world_size, parallel.collective_timeout_s)
-        shutdown()
+    except (NothingToDo, Preempted):  # every rank reached the same verdict: leave together
+        _finish(world, parallel)
         raise
     except BaseException as exc:
-        if channel is not None:
-            channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
+        if world.channel is not None:
+            world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
         raise
-    if channel is not None:
-        finish(world.store, channel, world.rank, world.world_size, parallel.collective_timeout_s)
+    _finish(world, parallel)
+
+
+# a rank silent this share of the collective timeout is declared lost before gloo/NCCL time out
+SILENCE_SHARE = 0.75
+
+
+def _finish(world: World, parallel: ParallelConfig) -> None:
+    if world.channel is not None:
+        finish(world.store, world.channel, world.rank, world.world_size, parallel.collective_timeout_s)
     shutdown()
 
 

@@ -1,9 +1,11 @@
-"""Run train.py, but SIGKILL this process right after optimizer step STEP (a test helper).
+"""Run train.py, but send this process a signal right after optimizer step STEP (a test helper).
 
     python tests/kill_at_step.py STEP [train.py arguments ...]
 
-A real SIGKILL at a known place: mid-epoch, some steps after the last checkpoint, the worst case for
-exact resume. Every rank of a job run this way kills itself at the same step.
+A real signal at a known place: mid-epoch, some steps after the last checkpoint, the worst case for
+exact resume. The signal is SIGKILL unless ``KILL_SIGNAL`` names another (``USR1``, ``TERM``,
+``STOP``); ``KILL_RANKS`` (``0,2``) limits it to those ranks, else every rank of the job signals
+itself at the same step.
 """
 
 import os
@@ -17,15 +19,18 @@ import train  # noqa: E402
 from utils.trainer import Trainer  # noqa: E402
 
 STEP = int(sys.argv.pop(1))
+SIGNAL = getattr(signal, "SIG" + os.environ.get("KILL_SIGNAL", "KILL"))
+RANKS = os.environ.get("KILL_RANKS")
 _train_step = Trainer.train_step
 
 
-def train_step_then_die(self, batches):
+def train_step_then_signal(self, batches):
     out = _train_step(self, batches)
-    if self.state.step + 1 == STEP:  # the step just taken (state.step counts it after this returns)
-        os.kill(os.getpid(), signal.SIGKILL)
+    chosen = RANKS is None or str(self.world.rank) in RANKS.split(",")
+    if self.state.step + 1 == STEP and chosen:  # the step just taken (state.step counts it after this returns)
+        os.kill(os.getpid(), SIGNAL)
     return out
 
 
-Trainer.train_step = train_step_then_die
+Trainer.train_step = train_step_then_signal
 sys.exit(train.cli())

@@ -227,7 +227,7 @@ def test_killed_store_host_stops_a_computing_rank():
     assert status == 2, err
     lines = error_lines(err)
     assert len(lines) == 1 and lines[0].startswith("error: lost the rendezvous store at 127.0.0.1:"), err
-    assert lines[0].endswith("(rank 0 exited or was killed); stopping rank 1")
+    assert lines[0].endswith("(rank 0 exited, was stopped or killed); stopping rank 1")
     assert "Traceback" not in err
 
 

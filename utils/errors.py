@@ -37,7 +37,8 @@ def exit_status(main, *args, **kwargs) -> int:
         print(exc, flush=True)
         return 0
     except Preempted as exc:
-        print(exc, flush=True)
+        if str(exc):  # rank 0 speaks for the job
+            print(exc, flush=True)
         return EXIT_PREEMPTED
     except UserError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)  # always one line

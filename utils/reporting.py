@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.errors import NothingToDo, UserError, free_space
+from utils.errors import NothingToDo, Preempted, UserError, free_space
 from utils.memory import format_memory
 from utils.schema import LoggingConfig
 
@@ -320,13 +320,15 @@ class Reporter:
             self.writer.add_figure(tag, fig, global_step=step)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Flush and close the writer; mark ``run.json`` completed or failed (with the error)."""
+        """Flush and close the writer; mark ``run.json`` completed, preempted, interrupted or failed (with
+        the error)."""
         if self.run_dir is None or not self.record:
             return
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        status = "completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        status = ("completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
+                  else "preempted" if isinstance(error, Preempted) else "failed")
         self.record.update(finished=_now(), status=status, wall_s=round(self.elapsed(), 1),
                            error=None if error is None else str(error) or type(error).__name__)
         try:

@@ -127,7 +127,8 @@ class ParallelConfig:
     bucket_cap_mb: int = key(25, "DDP gradient bucket size, MiB", AT_LEAST_1)
     ddp_static_graph: bool = key(True, "DDP static graph (off under gradient accumulation)")
     rendezvous_timeout_s: float = key(300.0, "seconds to wait for every rank to join before failing", POSITIVE)
-    collective_timeout_s: float = key(600.0, "seconds a collective may wait before failing", POSITIVE)
+    collective_timeout_s: float = key(600.0, "seconds a collective may wait before failing; a rank silent for 3/4 of "
+                                      "it (stopped, frozen) stops the job", POSITIVE)
 
 
 @dataclass

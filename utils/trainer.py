@@ -25,21 +25,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from distributed.checkpoint import CheckpointManager, save_full_model
-from distributed.env import World, broadcast_from_main
+from distributed.env import World, all_reduce, broadcast_from_main
 from distributed.parallelize import (AMP_DTYPES, build_parallel_model, clip_grad_norm, gradient_sync,
                                      reduce_replicated_gradients)
 from networks.vit import build_model
 from utils.config import to_yaml
 from utils.data_loader import Data, build_data
-from utils.errors import NonFiniteError, NothingToDo, UserError
+from utils.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preempted, UserError
 from utils.flops import peak_flops, vit_flops_per_sample
 from utils.logging_utils import setup_logging
 from utils.memory import MemoryTracker
-from utils.metrics import latitude_weights, relative_l2_loss, weighted_acc_channels, weighted_rmse_channels
-from utils.plots import prediction_figure
+from utils.evaluation import Evaluator, nonfinite_samples
+from utils.metrics import relative_l2_loss
+from utils.preemption import PreemptionFlag, signal_name
 from utils.profiling import ProfilerWindow, nvtx_range
 from utils.reporting import Reporter, RunDir, open_run_dir, run_record, tensorboard_tag
-from utils.schema import Config, EvaluationConfig, OptimConfig, batch_sizes
+from utils.schema import Config, OptimConfig, batch_sizes
 from utils.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -80,16 +81,6 @@ def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype:
                         f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
 
 
-def all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
-               op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce in place over mesh dimension ``dim`` (``dp``, ...) or over all ranks when None."""
-    size = world.world_size if dim is None else getattr(world, dim)
-    if dist.is_initialized() and size > 1:
-        # a size-1 dimension has no group: passing None would reduce over the whole world
-        dist.all_reduce(tensor, op=op, group=None if dim is None else world.group(dim))
-    return tensor
-
-
 class Trainer:
     """Owns model, optimizer, data and reporting for one run; :meth:`train` runs it, :meth:`close` ends it.
 
@@ -103,7 +94,7 @@ class Trainer:
         self.local_bs, self.global_bs = batch_sizes(cfg.optim, world.dp)
         self.accum = cfg.optim.grad_accum_steps
         self.data: Data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed)
-        self.key_channels, self.plot_channel = pick_channels(cfg.evaluation, self.data.channel_names)
+        self.evaluator = Evaluator(cfg.evaluation, self.data, world)
         self.steps_per_epoch = self._steps_per_epoch()
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
@@ -120,16 +111,18 @@ class Trainer:
                  self.local_bs, self.global_bs)
         if world.world_size > 1 and not world.is_main:
             print(f"rank {world.rank}/{world.world_size} on {self.device} ready", flush=True)
-        self.reporter = Reporter(cfg.logging, self.run_dir if world.is_main else None, self.key_channels)
+        self.reporter = Reporter(cfg.logging, self.run_dir if world.is_main else None,
+                                 self.evaluator.key_channels)
         self._build_model()
         self.memory = MemoryTracker(self.device)
         lg = cfg.logging
         self.profiler = ProfilerWindow(lg.profile_epoch, lg.profile_start_step, lg.profile_steps, world.rank)
-        self.lat_weights = latitude_weights(self.data.latitude, self.device)
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.data_wait = 0.0
         self.last_loss: tuple[int, float] | None = None  # (iteration, loss) of the last step read back
+        self.preemption = PreemptionFlag()
+        self.stop_signal = 0  # a preemption signal every rank has agreed on (max over ranks)
         resumed = self._resume(run)
         self.reporter.start(run_record(cfg.name, cfg.flat(), self._world_info()), to_yaml(cfg), self._metric_tags(),
                             resumed_step=resumed, elapsed_before=self.state.elapsed_s)
@@ -212,7 +205,7 @@ class Trainer:
         tags = ["loss/train", "loss/valid", tensorboard_tag("samples_per_s"), memory]
         if self.peak_flops:
             tags.append(tensorboard_tag("mfu"))
-        return tags + [f"rmse/{k}" for k in self.key_channels]
+        return tags + [f"rmse/{k}" for k in self.evaluator.key_channels]
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -222,6 +215,7 @@ class Trainer:
     def close(self, error: BaseException | None = None) -> None:
         """End the run: finish a pending checkpoint write, stop allocator recording, close the writers
         and mark ``run.json``."""
+        self.preemption.close()
         if error is None:
             self.checkpoint.close()
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
@@ -243,11 +237,15 @@ class Trainer:
                  opt.num_iters, n_epochs, steps_per_epoch, steps_per_epoch * self.global_bs, self.run_dir)
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100000)
+        if self.cfg.checkpoint.save_checkpoint:  # without checkpoints a signal keeps its default: stop now
+            self.preemption.install()
         record: dict = {}
         while state.step < opt.num_iters:
             epoch = state.epoch
             end = min(steps_per_epoch, state.epoch_step + opt.num_iters - state.step)
             record = self.train_epoch(epoch, end)
+            if self.stop_signal:  # agreed at the epoch's last step: stop before validating
+                self.stop_preempted()
             if (epoch + 1) % self.cfg.evaluation.valid_every == 0 or state.step >= opt.num_iters:
                 record.update(self.validate())
             state.epoch, state.epoch_step, state.epoch_loss_sum = epoch + 1, 0, 0.0
@@ -275,6 +273,7 @@ class Trainer:
         t0 = time.perf_counter()
         for step in range(start, end):
             self.profiler.step(epoch, step)
+            self.world.note_step(self.state.step)
             with nvtx_range(f"step {self.state.step}"):
                 check = self.train_step(batches)
             self.loss_sum += check["loss"].detach()
@@ -285,11 +284,14 @@ class Trainer:
             self.state.epoch_step += 1
             self._progress_update(bar, step, end, epoch)
             self.checkpoint_due = self.checkpoint_due or self._checkpoint_cadence()
-            if self.checkpoint_due and step + 1 < end:  # one due at the epoch's end waits for its report
+            # a periodic checkpoint due at the epoch's end waits for its report; a preemption does not
+            if (self.checkpoint_due and step + 1 < end) or self.stop_signal:
                 self._check_finite(pending)  # never checkpoint a diverged model
                 pending = None
                 self.state.epoch_loss_sum = self.loss_sum.item()
                 self.save_checkpoint()
+                if self.stop_signal:
+                    self.stop_preempted()
         if pending is not None:
             self._check_finite(pending)
         self.profiler.close(epoch, end)
@@ -297,8 +299,10 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        loss = all_reduce(self.loss_sum, self.world, "dp").item() / max(1, end * self.world.dp)
-        samples_per_s = (end - start) * self.global_bs / elapsed
+        self.state.epoch_loss_sum = self.loss_sum.item()  # this rank's own, for a checkpoint before the report
+        loss = all_reduce(self.loss_sum.clone(), self.world, "dp").item() / max(1, end * self.world.dp)
+        # zero steps: the run was preempted after the epoch's last step, before its report
+        samples_per_s = (end - start) * self.global_bs / elapsed if end > start else math.nan
         record = {"epoch": epoch, "iteration": self.state.step, "epoch_time_s": elapsed,
                   "samples_per_s": samples_per_s, "data_wait_share": self.data_wait / elapsed,
                   "lr": self.optimizer.param_groups[0]["lr"], "loss/train": loss}
@@ -339,7 +343,8 @@ class Trainer:
         self.scheduler.step()
 
     def _queue_readback(self, loss: torch.Tensor) -> dict:
-        """Enqueue the step's non-finite-loss flag (max over ranks) and its loss, and their copy to the host.
+        """Enqueue the step's non-finite-loss flag and preemption signal (max over ranks) and its loss,
+        and their copy to the host.
 
         Enqueued at the end of the step and read one step later (:meth:`_check_finite`), so the host
         waits only for a step the GPU has already finished: a read right after enqueueing would
@@ -347,8 +352,10 @@ class Trainer:
         input or target always makes the loss non-finite, so the data are scanned only then. The
         progress line prints this host copy of the loss, never the just-queued one.
         """
-        flag = all_reduce((~torch.isfinite(loss)).float(), self.world, op=dist.ReduceOp.MAX)
-        values = torch.stack([flag, loss])
+        # torch.full, not torch.tensor: a fill kernel, where a host value would be a blocking copy
+        flags = torch.stack([(~torch.isfinite(loss)).float(),
+                             torch.full((), float(self.preemption.signum), device=self.device)])
+        values = torch.cat([all_reduce(flags, self.world, op=dist.ReduceOp.MAX), loss.float().view(1)])
         if self.device.type != "cuda":
             return {"host": values, "ready": None}
         ready = torch.cuda.Event()
@@ -363,84 +370,25 @@ class Trainer:
         """
         if check["ready"] is not None:
             check["ready"].synchronize()
-        flag, loss = check["host"].tolist()
+        flag, signum, loss = check["host"].tolist()
         self.last_loss = (check["step"], loss)
+        self.stop_signal = self.stop_signal or int(signum)
         if not flag:
             return
-        bad = self._nonfinite_samples(torch.cat(check["indices"]).tolist(), "train")
+        bad = nonfinite_samples(self.data, torch.cat(check["indices"]).tolist(), "train", self.world)
         if bad:
             raise NonFiniteError(f"NaN/Inf in the training data at step {check['step']}: {bad}; "
                                  "fix or exclude that file (re-run the converter, check for missing values)")
         raise NonFiniteError(f"training loss became NaN/Inf at step {check['step']} with finite data; lower --lr, set "
                              "--max_grad_norm 1.0, add --warmup, or use --amp_mode bf16 instead of fp16")
 
-    def _nonfinite_samples(self, indices: list[int], split: str) -> str:
-        """Origins of NaN/Inf samples among this rank's ``indices``, or ``""`` when every rank's are finite.
-
-        Collective: every rank scans its own samples and the ranks agree on the verdict.
-        """
-        local = self.data.find_nonfinite(indices, split)
-        anywhere = all_reduce(torch.tensor(float(len(local)), device=self.device), self.world,
-                              op=dist.ReduceOp.MAX).item()
-        return ("; ".join(local) or "a sample on another rank") if anywhere else ""
-
     # ---------------------------------------------------------------- validation
-    @torch.no_grad()
     def validate(self) -> dict:
-        """Validation loss and lat-weighted RMSE (physical units) / ACC per channel, plus persistence.
-
-        Raises:
-            NonFiniteError: the metrics are NaN/Inf (naming the validation samples holding NaN/Inf).
-        """
-        self.model.eval()
-        std, clim = self.data.stats.std.view(1, -1), self.data.stats.clim
-        c = std.shape[1]
-        sums = torch.zeros(4 * c + 2, device=self.device)  # rmse, acc, persistence rmse, persistence acc, loss, n
-        first = None
-        finite, seen = [], []  # per sample: are its metrics finite (device), and its index (host)
-        for inp, tar, idx in self.data.valid:
-            with nvtx_range("validation"), self.autocast():
-                pred = self.model(inp)
-            pred = pred.float()
-            rmse = weighted_rmse_channels(pred, tar, self.lat_weights) * std
-            persistence = weighted_rmse_channels(inp, tar, self.lat_weights) * std
-            sums[:c] += rmse.sum(0)
-            sums[c:2 * c] += weighted_acc_channels(pred, tar, clim, self.lat_weights).sum(0)
-            sums[2 * c:3 * c] += persistence.sum(0)
-            sums[3 * c:4 * c] += weighted_acc_channels(inp, tar, clim, self.lat_weights).sum(0)
-            sums[-2] += relative_l2_loss(pred, tar) * inp.shape[0]
-            sums[-1] += inp.shape[0]
-            finite.append(torch.isfinite(rmse + persistence).all(1))
-            seen.append(idx)
-            if first is None:
-                first = (pred[0].clone(), tar[0].clone())  # loader buffers are reused
-        all_reduce(sums, self.world, "dp")
-        values = (sums / sums[-1].clamp_min(1)).tolist()
-        if not math.isfinite(sum(values)):
-            self._raise_nonfinite_validation(torch.cat(seen), torch.cat(finite).cpu())
-        names = self.data.channel_names
-        out = {"loss/valid": values[-2], "valid_samples": int(sums[-1].item())}
-        for offset, prefix in enumerate(("rmse", "acc", "rmse_persistence", "acc_persistence")):
-            out.update({f"{prefix}/{n}": v for n, v in zip(names, values[offset * c:(offset + 1) * c])})
-        if self.world.is_main and first is not None:
-            self._log_figure(*first)
-        return out
-
-    def _raise_nonfinite_validation(self, indices: torch.Tensor, finite: torch.Tensor) -> None:
-        bad = self._nonfinite_samples(indices[~finite].tolist(), "valid")
-        if bad:
-            raise NonFiniteError(f"NaN/Inf in the validation data: {bad}; fix or exclude that file "
-                                 "(re-run the converter, check for missing values)")
-        raise NonFiniteError("validation metrics are NaN/Inf with finite data: the model's predictions overflow; "
-                             "lower --lr, set --max_grad_norm 1.0, or use --amp_mode bf16 instead of fp16")
-
-    def _log_figure(self, pred: torch.Tensor, tar: torch.Tensor) -> None:
-        names = self.data.channel_names
-        ch = names.index(self.plot_channel)
-        mean, std = self.data.stats.mean[0, ch], self.data.stats.std[0, ch]
-        to_np = lambda x: (x[ch] * std + mean).float().cpu().numpy()  # noqa: E731
-        self.reporter.figure(f"prediction({names[ch]})/valid", prediction_figure(to_np(pred), to_np(tar), names[ch]),
-                             self.state.step)
+        """The validation scores (:class:`utils.evaluation.Evaluator`); the figure goes to TensorBoard."""
+        record, figure = self.evaluator.evaluate(self.model, self.autocast)
+        if figure is not None:
+            self.reporter.figure(f"prediction({self.evaluator.plot_channel})/valid", figure, self.state.step)
+        return record
 
     # ---------------------------------------------------------------- progress
     def _progress(self, n_steps: int, epoch: int):
@@ -493,6 +441,21 @@ class Trainer:
         self.saved_step, self.checkpoint_due = self.state.step, False
         self.last_checkpoint = time.monotonic()
 
+    def stop_preempted(self) -> None:
+        """Checkpoint this step (unless just done), wait until it is committed, and raise Preempted.
+
+        Every rank calls it at the same step: the signal was agreed by the per-step all-reduce.
+        """
+        if self.saved_step != self.state.step:
+            self.save_checkpoint()
+        self.checkpoint.wait()
+        message = ""
+        if self.world.is_main:  # one line for the job
+            message = (f"preempted by {signal_name(self.stop_signal)} at iteration {self.state.step}: checkpoint "
+                       f"{self.checkpoint.latest()} written; exit status {EXIT_PREEMPTED}; run the same command "
+                       "to resume")
+        raise Preempted(message)
+
     def finish_checkpoints(self) -> None:
         """At the end: the final sharded checkpoint, then the single-file model export (collective)."""
         if not self.cfg.checkpoint.save_checkpoint:
@@ -502,19 +465,6 @@ class Trainer:
         self.checkpoint.wait()
         save_full_model(self.model, self.run_dir / "checkpoints" / "model.pt",
                         {"step": self.state.step, "config": self.cfg.flat()})
-
-
-def pick_channels(cfg: EvaluationConfig, names: list[str]) -> tuple[list[str], str]:
-    """(key channels, plot channel) from the evaluation config, defaulting to the first four / the first.
-
-    Raises:
-        UserError: a configured channel is not in the data.
-    """
-    for name in (*cfg.key_channels, *([cfg.plot_channel] if cfg.plot_channel is not None else [])):
-        if name not in names:
-            raise UserError(f"channel {name!r} (--key_channels / --plot_channel) is not in the data, whose "
-                            f"channels are {', '.join(names)}; pick from those")
-    return list(cfg.key_channels) or names[:4], cfg.plot_channel or names[0]
 
 
 def run(cfg: Config, world: World) -> dict:

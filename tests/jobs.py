@@ -1,0 +1,81 @@
+"""Helpers to run train.py as real jobs (one process per rank, as srun starts them) and read their results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.dist_utils import free_port, subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+# tiny on 64 samples: 8 steps per epoch at global batch 8, checkpoints every 5 steps
+RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
+       "--checkpoint_every_steps", "5", "--log_every", "1000"]
+
+
+def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
+              **env: str) -> list[subprocess.Popen]:
+    """Start ``train.py RUN + args`` on ``ranks`` processes (RANK/WORLD_SIZE variables), writing runs
+    under ``workdir/runs``. ``signal_at``: each process signals itself after that optimizer step
+    (``tests/kill_at_step.py``; SIGKILL unless ``KILL_SIGNAL`` in ``env`` names another)."""
+    entry = [str(ROOT / "tests" / "kill_at_step.py"), str(signal_at)] if signal_at else [str(ROOT / "train.py")]
+    launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                                    "MASTER_PORT": str(free_port())}
+    workdir.mkdir(exist_ok=True)
+    command = [sys.executable, *entry, *RUN, "--data_path", str(data), "--expdir", str(workdir / "runs"), *args]
+    return [subprocess.Popen(command, cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=subprocess_env(**launch, **env,
+                                                **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
+            for r in range(ranks)]
+
+
+def run_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
+            **env: str) -> list[tuple[int, str, str]]:
+    """:func:`start_job` and wait: ``(exit status, stdout, stderr)`` of every rank."""
+    procs = start_job(workdir, data, args, ranks, signal_at, **env)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
+
+
+def run_path(workdir: Path, ranks: int, num: str = "00") -> Path:
+    return workdir / "runs" / "tiny" / f"{ranks}GPU" / num
+
+
+def final_state(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's latest checkpoint (model, optimizer, ...), by ``/``-joined key."""
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    out = tmp_path / f"{run_dir.parent.parent.name}_{run_dir.parent.name}_{run_dir.name}_{latest}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / latest, out)
+    return dict(_tensors(torch.load(out, weights_only=False)))
+
+
+def _tensors(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{prefix}/{k}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
+
+
+def assert_same_state(run_dir: Path, reference: Path, tmp_path: Path) -> None:
+    """Bitwise-equal checkpoints (parameters and optimizer states) and identical metrics."""
+    assert metrics(run_dir) == metrics(reference)
+    got, want = final_state(run_dir, tmp_path), final_state(reference, tmp_path)
+    assert got.keys() == want.keys() and any("optim" in k for k in got)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The reproducible part of ``metrics.jsonl``: losses, RMSE/ACC and learning rate by epoch."""
+    keep = ("epoch", "iteration", "loss/train", "loss/valid", "rmse/u10m", "acc/sp", "lr")
+    return [{k: r.get(k) for k in keep} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def run_record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
