@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import re
+import time
 from pathlib import Path
 
 import h5py
@@ -573,3 +575,15 @@ def test_find_nonfinite_names_file_and_time(tmp_path):
     for inp, tar, idx in data.train:
         has_nan = bool(torch.isnan(inp).any() or torch.isnan(tar).any())
         assert has_nan == (idx.item() in (4, 5))
+
+
+def test_close_ends_the_worker_processes(tiny_data):
+    data = build(tiny_data, batch_size=2, num_data_workers=2)
+    next(iter(data.train))
+    next(iter(data.valid))
+    assert len(multiprocessing.active_children()) == 4  # persistent workers of both splits
+    data.close()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert multiprocessing.active_children() == []

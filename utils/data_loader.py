@@ -15,6 +15,7 @@ batch buffers; :class:`DeviceBatches` copies the next batch to the GPU on a side
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,9 +238,14 @@ class BatchSlots:
                                 f"(error {int(err)}); lower --num_data_workers or --local_batch_size")
             self.pinned = True
 
-    def __del__(self):
+    def close(self) -> None:
+        """Unregister the page-locked buffers (idempotent)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            self.pinned = False
+
+    def __del__(self):
+        self.close()
 
 
 class FilledBatch(NamedTuple):
@@ -385,6 +391,15 @@ class DeviceBatches:
         """
         self.batches.set_epoch(epoch, start_batch)
 
+    def close(self) -> None:
+        """End the loader's worker processes and unpin its buffers; the object cannot iterate again."""
+        for event in filter(None, self.copied):  # no copy may still read a buffer being unpinned
+            event.synchronize()
+        if self.loader is not None:
+            self.loader = None
+            gc.collect()  # the persistent workers end when their iterator is collected
+        self.slots.close()
+
     def _wait_slot(self, batch_no: int) -> None:
         event = self.copied[batch_no % self.slots.k]
         if event is not None:
@@ -493,6 +508,10 @@ class SyntheticBatches:
         start, self.start = self.start, 0
         return ((self.inp, self.tar, self.idx) for _ in range(start, self.n_batches))
 
+    def close(self) -> None:
+        """Free the device tensors; the object cannot iterate again."""
+        self.inp = self.tar = None
+
 
 @dataclass
 class Data:
@@ -510,6 +529,11 @@ class Data:
     train_samples: int
     train_dataset: ERA5Dataset | None = None
     valid_dataset: ERA5Dataset | None = None
+
+    def close(self) -> None:
+        """Release both splits' workers, pinned buffers, DALI pipelines and device tensors."""
+        self.train.close()
+        self.valid.close()
 
     def find_nonfinite(self, indices: Iterable[int], split: str = "train") -> list[str]:
         """Origins (e.g. ``valid/2001.h5 time 5 -> 6``) of the samples among ``indices`` (global

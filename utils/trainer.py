@@ -213,13 +213,15 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def close(self, error: BaseException | None = None) -> None:
-        """End the run: finish a pending checkpoint write, stop allocator recording, close the writers
-        and mark ``run.json``."""
+        """End the run, after success or ``error``: finish a pending checkpoint write, stop allocator
+        recording, release the loaders (workers, pinned buffers, DALI pipelines), close the
+        writers and mark ``run.json``."""
         self.preemption.close()
         if error is None:
             self.checkpoint.close()
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
+        self.data.close()
         self.reporter.close(error)
 
     # ---------------------------------------------------------------- training
