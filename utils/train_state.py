@@ -21,13 +21,17 @@ class TrainState:
 
     ``step``: optimizer steps done; ``epoch``: the epoch in progress; ``epoch_step``: optimizer steps
     of ``epoch`` done; ``elapsed_s``: training wall-clock seconds before this process started
-    (``metrics.jsonl``'s ``elapsed_s`` continues from it).
+    (``metrics.jsonl``'s ``elapsed_s`` continues from it); ``data_parallel``: the data-parallel
+    ranks of the run that saved it; ``epoch_loss_mean``: the mean over those ranks of
+    ``epoch_loss_sum``, where each rank starts from when resumed on another number of ranks.
     """
 
     step: int = 0
     epoch: int = 0
     epoch_step: int = 0
     elapsed_s: float = 0.0
+    data_parallel: int = 1
+    epoch_loss_mean: float = 0.0
     # this rank's sum of the losses of epoch_step steps (its own: restored exactly, summed at epoch end)
     epoch_loss_sum: float = field(default=0.0, metadata={"per_rank": True})
 

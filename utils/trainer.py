@@ -146,7 +146,7 @@ class Trainer:
         """Load the checkpoint this run continues from (its own latest, or ``--resume PATH``); returns
         the step it resumed at, or None for a fresh start."""
         c = self.cfg.checkpoint
-        self.state = TrainState()
+        self.state = TrainState(data_parallel=self.world.dp)
         self.saved_step, self.checkpoint_due, self.last_checkpoint = -1, False, time.monotonic()
         self.checkpoint = CheckpointManager(c, self.run_dir / "checkpoints", self.model, self.optimizer,
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
@@ -158,6 +158,9 @@ class Trainer:
         if step is None:
             return None
         self.saved_step = step
+        if self.state.data_parallel != self.world.dp:  # the per-rank sums belong to other ranks
+            self.state.epoch_loss_sum = self.state.epoch_loss_mean
+            self.state.data_parallel = self.world.dp
         log.info("resumed at iteration %d (epoch %d, step %d of it) from %s", step, self.state.epoch + 1,
                  self.state.epoch_step, source or self.run_dir / "checkpoints")
         return step if run.resume else None
@@ -250,7 +253,7 @@ class Trainer:
                 self.stop_preempted()
             if (epoch + 1) % self.cfg.evaluation.valid_every == 0 or state.step >= opt.num_iters:
                 record.update(self.validate())
-            state.epoch, state.epoch_step, state.epoch_loss_sum = epoch + 1, 0, 0.0
+            state.epoch, state.epoch_step, state.epoch_loss_sum, state.epoch_loss_mean = epoch + 1, 0, 0.0, 0.0
             self.reporter.epoch(record, n_epochs)
             if epoch == 0:
                 self._dump_memory_snapshot()
@@ -290,7 +293,7 @@ class Trainer:
             if (self.checkpoint_due and step + 1 < end) or self.stop_signal:
                 self._check_finite(pending)  # never checkpoint a diverged model
                 pending = None
-                self.state.epoch_loss_sum = self.loss_sum.item()
+                self._record_epoch_loss()
                 self.save_checkpoint()
                 if self.stop_signal:
                     self.stop_preempted()
@@ -301,8 +304,8 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        self.state.epoch_loss_sum = self.loss_sum.item()  # this rank's own, for a checkpoint before the report
-        loss = all_reduce(self.loss_sum.clone(), self.world, "dp").item() / max(1, end * self.world.dp)
+        self._record_epoch_loss()  # also for a checkpoint before the epoch's report
+        loss = self.state.epoch_loss_mean / max(1, end)
         # zero steps: the run was preempted after the epoch's last step, before its report
         samples_per_s = (end - start) * self.global_bs / elapsed if end > start else math.nan
         record = {"epoch": epoch, "iteration": self.state.step, "epoch_time_s": elapsed,
@@ -312,6 +315,12 @@ class Trainer:
             record["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
         record.update({f"memory/{k}": v for k, v in self.memory.end_epoch().items()})
         return record
+
+    def _record_epoch_loss(self) -> None:
+        """Put this rank's sum of the epoch's step losses, and its mean over the data-parallel ranks,
+        into the train state (collective over ``dp``)."""
+        self.state.epoch_loss_sum = self.loss_sum.item()
+        self.state.epoch_loss_mean = all_reduce(self.loss_sum.clone(), self.world, "dp").item() / self.world.dp
 
     def train_step(self, batches) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns tensors for the late check."""
