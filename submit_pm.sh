@@ -7,6 +7,9 @@
 #SBATCH --time 01:00:00
 #SBATCH -J vit-era5
 #SBATCH -o %x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@180
+#SBATCH --requeue
 #
 # Launch train.py with one task per GPU (Perlmutter layout: 4 GPUs per node).
 #
@@ -36,6 +39,22 @@
 #   REPO_DIR                                  checkout holding train.py (default: found from
 #                                             the submit dir or the submitted script's path)
 #   DRY_RUN=1                                 only print the resolved command
+#
+# Preemption and requeue: Slurm sends SIGUSR1 to this batch shell 180 s before the time
+# limit (--signal=B:USR1@180; Slurm may send it up to 60 s earlier; override on the command
+# line, e.g. `sbatch --signal=B:USR1@600 submit_pm.sh ...`). srun runs in the background;
+# the shell traps SIGUSR1 and SIGTERM and forwards either to every task as SIGUSR1 with
+# `kill -USR1 <srun pid>` (srun relays SIGUSR1 to the job step's tasks; SIGTERM must never
+# reach srun from here: srun answers it by SIGKILLing the tasks -- Slurm 22.05). train.py then
+# stops at the next step boundary, checkpoints and exits 75 (EX_TEMPFAIL). On status 75 the
+# script requeues its own job (`scontrol requeue $SLURM_JOB_ID`, allowed by --requeue) and
+# says so in one line; the restarted job (same job id; `restart N` on the `job` line, from
+# SLURM_RESTART_COUNT) runs the same command, which resumes from that checkpoint. Any other
+# status is passed through unchanged. The output file is opened in append mode, so one
+# file holds every restart. Not requeued (the job exits 75; submit the same command again
+# to resume): jobs submitted with `--no-requeue`, and jobs no longer RUNNING, i.e. ended by
+# `scancel` or the time limit (Slurm 22.05 would requeue those too, undoing the cancel).
+# Preempt by hand: `scancel --signal=USR1 --batch <jobid>`.
 #
 # Generic (GPU-less) SLURM clusters: sbatch command-line options (and SBATCH_*
 # environment variables) override the #SBATCH lines above. Tested on Slurm 22.05:
@@ -162,7 +181,7 @@ fi
 
 cmd=("${PYTHON:-python}" train.py --data_path "${DATA_DIR}" --expdir "${LOG_DIR}" "$@")
 
-echo "job ${SLURM_JOB_ID:-none}: ${SLURM_JOB_NUM_NODES:-1} node(s) [${SLURM_JOB_NODELIST:-$(hostname)}], ${SLURM_NTASKS:-?} task(s)"
+echo "job ${SLURM_JOB_ID:-none}: ${SLURM_JOB_NUM_NODES:-1} node(s) [${SLURM_JOB_NODELIST:-$(hostname)}], ${SLURM_NTASKS:-?} task(s), restart ${SLURM_RESTART_COUNT:-0}"
 echo "repo=${REPO_DIR} data=${DATA_DIR} logs=${LOG_DIR} MASTER_ADDR=${MASTER_ADDR} MASTER_PORT=${MASTER_PORT}"
 # Echo the resolved command (the nsys wrapper's body abbreviated), shell-quoted where needed.
 shown=""
@@ -183,4 +202,55 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     echo "error: not inside a SLURM job; submit with: sbatch $0 $*" >&2
     exit 1
 fi
-exec "${launch[@]}" "${cmd[@]}"
+
+# ---- run: forward preemption signals to the tasks, requeue after a preemption exit -----
+EXIT_PREEMPTED=75 # train.py after a SIGUSR1/SIGTERM checkpoint (utils.errors.EXIT_PREEMPTED)
+srun_pid=""
+signals=0
+# shellcheck disable=SC2317  # only called from the traps below
+forward_signal() {
+    signals=$((signals + 1))
+    if [[ -z "${srun_pid}" ]]; then
+        echo "batch shell: SIG$1 before the tasks started; not forwarded"
+        return
+    fi
+    echo "batch shell: SIG$1; forwarding SIGUSR1 to the tasks (they checkpoint and exit ${EXIT_PREEMPTED})"
+    # srun relays SIGUSR1 to the step's tasks and keeps running; never send it SIGTERM (see header)
+    kill -USR1 "${srun_pid}" 2>/dev/null || true
+}
+trap 'forward_signal USR1' USR1
+trap 'forward_signal TERM' TERM
+
+"${launch[@]}" "${cmd[@]}" &
+srun_pid=$!
+status=0
+while true; do
+    seen=${signals}
+    status=0
+    wait "${srun_pid}" || status=$?
+    # A trapped signal makes `wait` return at once (status > 128) while srun goes on: wait again.
+    ((signals != seen && status > 128)) || break
+    kill -0 "${srun_pid}" 2>/dev/null && continue
+    # srun ended around the signal: collect its status unless `wait` already returned it (then 127)
+    again=0
+    wait "${srun_pid}" 2>/dev/null || again=$?
+    ((again == 127)) || status=${again}
+    break
+done
+
+if ((status == EXIT_PREEMPTED)); then
+    # The requeue ends this job (slurmd signals this shell): ignore that until the line is out.
+    trap '' USR1 TERM
+    # Only a job that still runs is requeued: Slurm 22.05 also requeues a job that `scancel`
+    # or the time limit is ending (state CANCELLED/TIMEOUT), which would undo the cancel.
+    job_state=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null |
+        awk '{for (i = 1; i <= NF; i++) if ($i ~ /^JobState=/) {sub(/^JobState=/, "", $i); print $i; exit}}') || true
+    if [[ "${job_state}" != RUNNING ]]; then
+        echo "preempted (exit status ${EXIT_PREEMPTED}); job ${SLURM_JOB_ID} is ${job_state:-unknown}, not requeued; resume by submitting the same command again"
+    elif requeue_out=$(scontrol requeue "${SLURM_JOB_ID}" 2>&1); then
+        echo "preempted (exit status ${EXIT_PREEMPTED}): requeued job ${SLURM_JOB_ID}; restart $((${SLURM_RESTART_COUNT:-0} + 1)) resumes from the checkpoint"
+    else
+        echo "preempted (exit status ${EXIT_PREEMPTED}); requeue of job ${SLURM_JOB_ID} failed: ${requeue_out}; resume by submitting the same command again" >&2
+    fi
+fi
+exit "${status}"

@@ -6,7 +6,9 @@
 * :class:`CheckpointManager`: periodic sharded checkpoints to resume a run from: model, optimizer
   and the trainer's other ``state_dict`` objects, written with ``torch.distributed.checkpoint``
   (DCP), so every rank writes and reads only its own shards and a checkpoint loads on any number
-  of ranks (DCP reshards).
+  of ranks (DCP reshards). Tensor-parallel slices are written as blocks of the dense tensors
+  (``distributed/dense_shards.py``), so a checkpoint holds the single-GPU layout and loads under any
+  tensor/context/data parallelism, FSDP or none, or into the plain model.
 
 A checkpoint directory (a run's ``checkpoints/``)::
 
@@ -36,9 +38,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from distributed.dense_shards import (DenseLoadPlanner, DenseSavePlanner, dense_view, has_dense_shards, plain_view,
+                                      to_host)
 from distributed.env import World, broadcast_from_main
 from utils.errors import UserError, free_space
 from utils.schema import CheckpointConfig
@@ -48,12 +53,10 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 LATEST = "latest"
+WRITE_THREADS = 8  # per rank
 METADATA = ".metadata"  # DCP's global metadata: rank 0 writes it once every rank's shards are written
 # the fix of a failed checkpoint write
 DISK_FIX = "free space or pass --expdir on a larger filesystem (or --save_checkpoint false)"
-TP_UNSUPPORTED = ("sharded checkpoints do not support tensor/context parallelism yet; use --save_checkpoint false "
-                  "--resume never (the final single-file model export still works), or --tensor_parallel 1 "
-                  "--context_parallel 1")
 
 
 # ---------------------------------------------------------------- single files
@@ -210,17 +213,10 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------- model and optimizer state
-def _refuse_tensor_parallel(model: nn.Module) -> None:
-    """Tensor-parallel slices are plain tensors under the same key on every tp rank, which DCP
-    would save (and load) as one replicated tensor: refuse rather than write a wrong checkpoint."""
-    from distributed.parallelize import is_tensor_context_parallel
-    if is_tensor_context_parallel(model):
-        raise UserError(TP_UNSUPPORTED)
-
-
 def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}``: this rank's shards under the plain model's parameter names
-    (the same for plain, DDP, FSDP2 and compiled models), as DCP saves and loads them in place."""
+    (the same for plain, DDP, FSDP2, compiled and tensor/context-parallel models); tensor-parallel
+    slices are still plain tensors here (:func:`dense_view` makes them DCP shards)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
@@ -232,25 +228,18 @@ def _set_model_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
     """Write model and optimizer shards as one DCP checkpoint in ``directory`` itself, without the
     steps and ``latest`` of :class:`CheckpointManager` (collective).
-
-    Raises:
-        UserError: a tensor/context-parallel model.
     """
-    _refuse_tensor_parallel(model)
-    dcp.save(_model_state(model, optimizer), checkpoint_id=str(directory))
+    dcp.save(dense_view(model, _model_state(model, optimizer)), checkpoint_id=str(directory),
+             planner=DenseSavePlanner())
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
     """Load a checkpoint written by :func:`save_sharded`, resharded to this model's parallelism
     (collective).
-
-    Raises:
-        UserError: a tensor/context-parallel model.
     """
-    _refuse_tensor_parallel(model)
-    state = _model_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
-    _set_model_state(model, optimizer, state)
+    view = dense_view(model, _model_state(model, optimizer))
+    dcp.load(view, checkpoint_id=str(directory), planner=DenseLoadPlanner())
+    _set_model_state(model, optimizer, plain_view(view))
 
 
 # ---------------------------------------------------------------- the manager
@@ -264,7 +253,8 @@ class CheckpointManager:
     Args:
         cfg: ``keep_checkpoints`` (complete checkpoints kept) and ``async_checkpoint``.
         directory: the run's checkpoint folder, on a filesystem every rank sees.
-        model: the model being trained: plain, DDP, FSDP2 ``fully_shard``, and/or compiled.
+        model: the model being trained: plain, DDP, FSDP2 ``fully_shard`` (HSDP too), compiled,
+            and/or tensor/context parallel.
         optimizer: its optimizer.
         stateful: other objects by name (``model`` and ``optim`` excepted) with ``state_dict`` /
             ``load_state_dict`` (LR scheduler, GradScaler, train state), whose values may be any
@@ -283,6 +273,7 @@ class CheckpointManager:
         self.per_rank = {name: obj for name, obj in self.stateful.items() if hasattr(obj, "per_rank_state_dict")}
         self._pending: tuple[Future, Path] | None = None  # an async save staged but not committed
         self._group: dist.ProcessGroup | None = None  # the gloo group of async saves, made at the first one
+        self._stager: BlockingAsyncStager | None = None  # pinned host copy of async saves, reused
         self._current: Path | None = None  # the checkpoint holding the objects' state as saved or loaded
 
     # ---- public
@@ -300,10 +291,9 @@ class CheckpointManager:
         loaded at ``step``) is not written again.
 
         Raises:
-            UserError: a tensor/context-parallel model, or the write failed (full disk, quota, I/O
-                error): the partial folder is removed and ``latest`` still names the previous one.
+            UserError: the write failed (full disk, quota, I/O error): the partial folder is removed
+                and ``latest`` still names the previous one.
         """
-        _refuse_tensor_parallel(self.model)
         self.wait()
         folder = step_folder(self.directory, step)
         if folder == self._current:
@@ -311,14 +301,16 @@ class CheckpointManager:
         self._raise_any(self._prepare(folder) if self.world.is_main else None)
         if self.per_rank:
             self._raise_any(self._write_per_rank(folder), folder)
-        state = self._state()
+        state = dense_view(self.model, self._state())
         try:
             if self.cfg.async_checkpoint:
-                # with DCP's default stager the copy to host memory is done when async_save returns
-                # (this torch: a plain Future, not an AsyncSaveResponse with a staging future)
-                self._pending = dcp.async_save(state, checkpoint_id=folder, process_group=self._async_group()), folder
+                # the copy to host memory is done when async_save returns; the dense blocks of
+                # tensor-parallel slices are copied here
+                self._pending = dcp.async_save(to_host(state), storage_writer=self._writer(folder),
+                                               planner=DenseSavePlanner(), process_group=self._async_group(),
+                                               async_stager=self._host_stager(state)), folder
                 return
-            dcp.save(state, checkpoint_id=folder)
+            dcp.save(state, storage_writer=self._writer(folder), planner=DenseSavePlanner())
         except (Exception, CheckpointException) as exc:
             self._save_failed(folder, exc)
         self._commit(folder)
@@ -351,8 +343,7 @@ class CheckpointManager:
         without a ``rank<r>.pt`` (more ranks than saved) keeps its per-rank state, with a warning.
 
         Raises:
-            UserError: ``path`` is not a complete checkpoint or does not load; no candidate loads;
-                a tensor/context-parallel model (when there is a checkpoint to load).
+            UserError: ``path`` is not a complete checkpoint or does not load; no candidate loads.
         """
         self.wait()
         found = None
@@ -366,7 +357,6 @@ class CheckpointManager:
             raise UserError(found)
         if not found:
             return None
-        _refuse_tensor_parallel(self.model)
         errors = []
         for folder in found:
             loaded, error = self._read(folder)
@@ -384,13 +374,34 @@ class CheckpointManager:
                         "another checkpoint with --resume, or --resume never to start afresh")
 
     def close(self) -> None:
-        """Commit a pending async save and release the async group (collective)."""
+        """Commit a pending async save; release the async group and the host buffers (collective)."""
         try:
             self.wait()
         finally:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    @staticmethod
+    def _writer(folder: Path) -> dcp.FileSystemWriter:
+        """DCP's file writer with WRITE_THREADS threads: one thread writes far below a parallel
+        filesystem's (or even a local disk's) bandwidth."""
+        return dcp.FileSystemWriter(folder, thread_count=WRITE_THREADS)
+
+    def _host_stager(self, state: dict[str, Any]) -> BlockingAsyncStager | None:
+        """For async saves on GPUs: DCP's stager that keeps its page-locked host copy of ``state`` for
+        the next saves, so staging is one device-to-host copy at full bandwidth instead of
+        allocating the host memory again (measured on ``vit_2b``: see benchmarks/checkpoint.py).
+        None (DCP's default staging) on CPUs, which cannot page-lock, and for tensor-parallel
+        states, whose dense blocks are fresh host copies each time (:func:`to_host`)."""
+        if not torch.cuda.is_available() or has_dense_shards(state):
+            return None
+        if self._stager is None:
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
+        return self._stager
 
     # ---- loading
     def _candidates(self) -> list[Path]:
@@ -495,16 +506,17 @@ class CheckpointManager:
         return self._group
 
     def _read(self, folder: Path) -> tuple[tuple[dict, dict | None] | None, str | None]:
-        """Read ``folder`` into fresh state dicts, DCP loading model and optimizer shards in place.
+        """Read ``folder`` into fresh state dicts, DCP loading model and optimizer shards in place
+        (tensor-parallel slices from their blocks of the dense tensors).
 
         Returns ``((state, per_rank), None)``, ``per_rank`` None when this rank has no file, or
         ``(None, error message)``. Only the model's and optimizer's tensors change (in place), and
         whichever checkpoint finally loads overwrites all of them.
         """
-        state = self._state()
+        view = dense_view(self.model, self._state())
         try:
-            dcp.load(state, checkpoint_id=folder)
-            return (state, self._read_per_rank(folder)), None
+            dcp.load(view, checkpoint_id=folder, planner=DenseLoadPlanner())
+            return (plain_view(view), self._read_per_rank(folder)), None
         except (Exception, CheckpointException) as exc:
             return None, describe_exception(exc)
 

@@ -5,8 +5,9 @@
 3. ``torch.compile`` (per block under FSDP so FSDP's hooks stay outside compiled code);
 4. data parallel over ``dp``: FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3, HSDP) or DDP.
 
-Also the hooks the training loop needs: gradient-sync suppression during accumulation and
-reduction of gradients of tensor/context-replicated parameters.
+Also the hooks the training loop needs: gradient-sync suppression during accumulation,
+reduction of gradients of tensor/context-replicated parameters, and a GradScaler whose skipped
+steps agree over tensor/context-parallel peers (:func:`build_grad_scaler`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import inspect
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -208,3 +210,45 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         from distributed.tensor_parallel import clip_grad_norm_
         return clip_grad_norm_(unwrap(model), max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+class ModelParallelGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/NaN check covers the whole model across tensor/context-parallel
+    peers.
+
+    Each tp rank checks only its own slices of the gradients, so an overflow in one rank's slice
+    would skip the step there and not on its peers, and the replicas (and their loss scales) would
+    part. After the check (``unscale_``, or the check a fused optimizer's ``step`` makes) the found-inf
+    flags are all-reduced (max) over ``groups``, so every peer skips the same steps and keeps the same
+    scale. FSDP's DTensor gradients already agree over dp (DTensor reduces the flag over its mesh),
+    and DDP's gradients are equal there.
+
+    Args:
+        device: device type of the gradients (``"cuda"``, ``"cpu"``).
+        groups: process groups to agree over (the tp and cp groups); None entries are skipped.
+        **kwargs: ``torch.amp.GradScaler``'s (``init_scale``, ``growth_interval``, ...).
+    """
+
+    def __init__(self, device: str, groups, **kwargs):
+        super().__init__(device, **kwargs)
+        self.groups = [g for g in groups if g is not None]
+
+    # the one funnel of both unscale_ and _check_inf_per_device (fused optimizers), as torch's own
+    # ShardedGradScaler overrides it
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # a rank without gradients still joins the reduction, so no peer waits for it
+        for flag in list(per_device.values()) or [found_inf]:
+            for group in self.groups:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return per_device
+
+
+def build_grad_scaler(device_type: str, enabled: bool, world: World) -> torch.amp.GradScaler:
+    """The GradScaler of an fp16 run (``enabled``; a disabled one is a no-op): a
+    :class:`ModelParallelGradScaler` over the tp and cp groups under tensor/context parallelism,
+    else torch's."""
+    groups = [world.group("tp"), world.group("cp")]
+    if enabled and any(g is not None for g in groups):
+        return ModelParallelGradScaler(device_type, groups)
+    return torch.amp.GradScaler(device_type, enabled=enabled)

@@ -57,6 +57,7 @@ __all__ = [
     "apply_tensor_context_parallel",
     "full_state_dict",
     "load_full_state_dict",
+    "tp_layouts",
     "reduce_replicated_gradients",
     "clip_grad_norm_",
 ]
@@ -149,8 +150,10 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def _tp_layouts(model: nn.Module) -> dict[str, tuple[ShardLayout, dist.ProcessGroup | None]]:
-    """Plain-model parameter name -> (layout, tp group) for every TP-sharded tensor."""
+def tp_layouts(model: nn.Module) -> dict[str, tuple[ShardLayout, dist.ProcessGroup | None]]:
+    """Plain-model parameter name -> (layout, tp group) of every TP-sharded tensor of ``model`` (any
+    wrapper: DDP, compile, activation checkpointing, FSDP2); empty for a model without TP layers.
+    The group is None (or of one rank) when the layer is not split."""
     out = {}
     for mod_name, mod in model.named_modules():
         for pname, layout in getattr(mod, "tp_layouts", {}).items():
@@ -172,7 +175,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Collective: every rank of the TP (and dp, for FSDP) groups must call it.
     """
-    layouts = _tp_layouts(model)
+    layouts = tp_layouts(model)
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         key = _clean_name(name)
@@ -201,7 +204,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         ValueError: if a tensor's shape does not match the plain model's.
         TypeError: if a parameter is a DTensor (already sharded by FSDP2).
     """
-    layouts = _tp_layouts(model)
+    layouts = tp_layouts(model)
     own = {_clean_name(k): v for k, v in model.state_dict(keep_vars=True).items()}
     given = {_clean_name(k): v for k, v in state_dict.items()}
     missing, unexpected = sorted(own.keys() - given.keys()), sorted(given.keys() - own.keys())

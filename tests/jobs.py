@@ -49,7 +49,7 @@ def run_path(workdir: Path, ranks: int, num: str = "00") -> Path:
 def final_state(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the run's latest checkpoint (model, optimizer, ...), by ``/``-joined key."""
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    out = tmp_path / f"{run_dir.parent.parent.name}_{run_dir.parent.name}_{run_dir.name}_{latest}.pt"
+    out = tmp_path / f"{run_dir.parents[3].name}_{run_dir.parent.name}_{run_dir.name}_{latest}.pt"
     dcp_to_torch_save(run_dir / "checkpoints" / latest, out)
     return dict(_tensors(torch.load(out, weights_only=False)))
 

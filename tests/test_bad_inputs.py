@@ -132,8 +132,6 @@ CASES = [
     Case("CPU offload without FSDP", ["--fsdp_cpu_offload"], ["--fsdp_cpu_offload needs FSDP"]),
     Case("run_num with a slash", ["--run_num", "a/b"], ["must be a plain name"]),
     Case("resume from a missing folder", ["--resume", "/nonexistent/ckpt"], ["--resume /nonexistent/ckpt: no such"]),
-    Case("periodic checkpoints with tensor parallel", ["--tensor_parallel", "2", "--checkpoint_every_steps", "5"],
-         ["do not support tensor/context parallelism yet"], env={**LAUNCH}),
     Case("help for an unknown key", ["--help", "lrr"], ["--help lrr: unknown config key", "did you mean lr"]),
     # ---- config files
     Case("missing config file", ["--yaml_config", "/nonexistent/c.yaml"], ["/nonexistent/c.yaml not found"]),

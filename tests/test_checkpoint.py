@@ -3,8 +3,8 @@
 A small ViT with Adam, LambdaLR, a disabled GradScaler and a toy stateful with per-rank state takes a
 few steps, is saved, takes more, and is loaded into fresh objects, which must hold bitwise the saved
 state: one process, DDP, FSDP2, and FSDP checkpoints loaded on other world sizes. Also retention,
-skipping broken checkpoints, interrupted and async saves, tensor parallelism refused, a full disk,
-and the export tool.
+skipping broken checkpoints, interrupted and async saves, a full disk, and the export tool
+(tensor-parallel checkpoints: ``tests/test_tp_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed.checkpoint import LATEST, TP_UNSUPPORTED, CheckpointManager, step_folder
+from distributed.checkpoint import LATEST, CheckpointManager, step_folder
 from distributed.env import LaunchEnv, World
 from networks.vit import VisionTransformer, build_model
 from tests.dist_utils import run_distributed, subprocess_env
@@ -333,19 +333,6 @@ def test_explicit_path_loads_that_checkpoint_or_is_one_line_error(tmp_path):
             fresh.manager.load(bad)
         assert "\n" not in str(err.value)
     assert make_run(tmp_path / "empty", make_world()).manager.load() is None
-
-
-def test_tensor_parallel_model_is_refused(tmp_path):
-    run = make_run(tmp_path, make_world())
-    run.manager.save(1)
-    run.model._tensor_context_parallel = True  # what distributed.tensor_parallel marks
-    for call in (lambda: run.manager.save(2), run.manager.load):
-        with pytest.raises(UserError) as err:
-            call()
-        assert str(err.value) == TP_UNSUPPORTED
-    assert str(err.value).startswith("sharded checkpoints do not support tensor/context parallelism yet; "
-                                     "use --save_checkpoint false") and "\n" not in str(err.value)
-    assert run.manager.latest() == tmp_path / "step_00000001"
 
 
 def test_full_disk_is_one_line_error_and_keeps_latest(tmp_path):

@@ -459,11 +459,7 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
 
 
 def _check_checkpoint(cfg: Config, launch: Launch) -> None:
-    c, par = cfg.checkpoint, cfg.parallel
-    periodic = c.checkpoint_every_steps or c.checkpoint_every_minutes
-    if (periodic or c.resume not in ("auto", "never")) and (par.tensor_parallel > 1 or par.context_parallel > 1):
-        raise UserError("sharded checkpoints and --resume PATH do not support tensor/context parallelism yet; "
-                        "drop --checkpoint_every_steps/--checkpoint_every_minutes/--resume PATH with tp/cp")
+    c = cfg.checkpoint
     if c.resume not in ("auto", "never") and not Path(c.resume).is_dir():
         raise UserError(f"--resume {c.resume}: no such checkpoint folder; pass auto, never, or a folder such as "
                         "runs/<config>/<N>GPU/<run>/checkpoints")

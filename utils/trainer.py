@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from distributed.checkpoint import CheckpointManager, save_full_model
 from distributed.env import World, all_reduce, broadcast_from_main
-from distributed.parallelize import (AMP_DTYPES, build_parallel_model, clip_grad_norm, gradient_sync,
-                                     reduce_replicated_gradients)
+from distributed.parallelize import (AMP_DTYPES, build_grad_scaler, build_parallel_model, clip_grad_norm,
+                                     gradient_sync, reduce_replicated_gradients)
 from networks.vit import build_model
 from utils.config import to_yaml
 from utils.data_loader import Data, build_data
@@ -91,6 +91,11 @@ class Trainer:
 
     def __init__(self, cfg: Config, world: World):
         self.cfg, self.world, self.device = cfg, world, world.device
+        # from the start, so a signal during startup also ends in a checkpoint; without checkpoints a
+        # signal keeps its default action: stop at once
+        self.preemption = PreemptionFlag()
+        if cfg.checkpoint.save_checkpoint:
+            self.preemption.install()
         self.local_bs, self.global_bs = batch_sizes(cfg.optim, world.dp)
         self.accum = cfg.optim.grad_accum_steps
         self.data: Data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed)
@@ -121,7 +126,6 @@ class Trainer:
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.data_wait = 0.0
         self.last_loss: tuple[int, float] | None = None  # (iteration, loss) of the last step read back
-        self.preemption = PreemptionFlag()
         self.stop_signal = 0  # a preemption signal every rank has agreed on (max over ranks)
         resumed = self._resume(run)
         self.reporter.start(run_record(cfg.name, cfg.flat(), self._world_info()), to_yaml(cfg), self._metric_tags(),
@@ -187,7 +191,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                           weight_decay=opt.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=prec.amp_mode == "fp16")
+        self.scaler = build_grad_scaler(self.device.type, prec.amp_mode == "fp16", self.world)
         # Eager, the loss and its backward are ~10 passes over full-resolution fields (~4 % of an
         # H100 step at short_opt); compiled, they fuse into a few kernels.
         self.loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
@@ -242,8 +246,6 @@ class Trainer:
                  opt.num_iters, n_epochs, steps_per_epoch, steps_per_epoch * self.global_bs, self.run_dir)
         if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100000)
-        if self.cfg.checkpoint.save_checkpoint:  # without checkpoints a signal keeps its default: stop now
-            self.preemption.install()
         record: dict = {}
         while state.step < opt.num_iters:
             epoch = state.epoch

@@ -27,6 +27,10 @@
 #                          but never longer than MinJobAge/2 allows (22.05 sbatch.c _job_wait), so a
 #                          small value makes --wait return within ~8 s of the job's end; finished
 #                          jobs stay visible to `scontrol show job` for at least that long.
+#   SLURM_TEST_CRED_EXPIRE AuthInfo cred_expire (default 10 s, Slurm's minimum is 5): a requeued job
+#                          (`scontrol requeue`, submit_pm.sh after a preemption) is not eligible to
+#                          start again before this many seconds (Slurm's default, 120 s, would make
+#                          every requeue test wait two minutes).
 set -euo pipefail
 
 die() { echo "slurm_cluster.sh: error: $*" >&2; exit 1; }
@@ -158,7 +162,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${sock}
+AuthInfo=socket=${sock},cred_expire=${SLURM_TEST_CRED_EXPIRE:-10}
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -181,6 +185,8 @@ SlurmdDebug=info
 MailProg=/bin/true
 InactiveLimit=0
 KillWait=5
+# batch jobs may be requeued (the default; submit_pm.sh also asks for --requeue)
+JobRequeue=1
 MinJobAge=${SLURM_TEST_MIN_JOB_AGE:-16}
 MessageTimeout=30
 SlurmctldTimeout=60
