@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import threading
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -242,6 +243,37 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     _set_model_state(model, optimizer, plain_view(view))
 
 
+# ---------------------------------------------------------------- writing with threads
+class CheckedWriter(dcp.FileSystemWriter):
+    """DCP's ``FileSystemWriter`` that fails when one of its writer threads fails.
+
+    Its threads' exceptions (a full disk, say) only reach ``threading.excepthook``, which prints
+    a traceback, and the items they were writing are just missing from the results: DCP would
+    then write the metadata of an incomplete checkpoint. Here the thread's exception is kept
+    (not printed) and raised from ``write_data``, so the save fails like a one-thread save.
+    """
+
+    def write_data(self, plan, planner):
+        failures: list[BaseException] = []
+        previous = threading.excepthook
+
+        def keep(args) -> None:
+            if "_write_files_from_queue" in args.thread.name:
+                failures.append(args.exc_value)
+            else:
+                previous(args)
+        threading.excepthook = keep
+        try:
+            written = super().write_data(plan, planner)
+        finally:
+            threading.excepthook = previous
+        if failures:
+            raise failures[0]
+        if len(written.wait()) != len(plan.items):  # a thread ended without an exception we saw
+            raise OSError(f"DCP wrote {len(written.wait())} of {len(plan.items)} items")
+        return written
+
+
 # ---------------------------------------------------------------- the manager
 class CheckpointManager:
     """Sharded checkpoints of a training run in ``directory`` (layout in the module docstring).
@@ -273,7 +305,7 @@ class CheckpointManager:
         self.per_rank = {name: obj for name, obj in self.stateful.items() if hasattr(obj, "per_rank_state_dict")}
         self._pending: tuple[Future, Path] | None = None  # an async save staged but not committed
         self._group: dist.ProcessGroup | None = None  # the gloo group of async saves, made at the first one
-        self._stager: BlockingAsyncStager | None = None  # pinned host copy of async saves, reused
+        self._stager: BlockingAsyncStager | None = None  # pinned host copy of the saved state, reused
         self._current: Path | None = None  # the checkpoint holding the objects' state as saved or loaded
 
     # ---- public
@@ -310,7 +342,10 @@ class CheckpointManager:
                                                planner=DenseSavePlanner(), process_group=self._async_group(),
                                                async_stager=self._host_stager(state)), folder
                 return
-            dcp.save(state, storage_writer=self._writer(folder), planner=DenseSavePlanner())
+            # staged in one copy at full bandwidth, the writer threads then only do I/O
+            stager = self._host_stager(state)
+            dcp.save(stager.stage(state) if stager else state, storage_writer=self._writer(folder),
+                     planner=DenseSavePlanner())
         except (Exception, CheckpointException) as exc:
             self._save_failed(folder, exc)
         self._commit(folder)
@@ -389,10 +424,10 @@ class CheckpointManager:
     def _writer(folder: Path) -> dcp.FileSystemWriter:
         """DCP's file writer with WRITE_THREADS threads: one thread writes far below a parallel
         filesystem's (or even a local disk's) bandwidth."""
-        return dcp.FileSystemWriter(folder, thread_count=WRITE_THREADS)
+        return CheckedWriter(folder, thread_count=WRITE_THREADS)
 
     def _host_stager(self, state: dict[str, Any]) -> BlockingAsyncStager | None:
-        """For async saves on GPUs: DCP's stager that keeps its page-locked host copy of ``state`` for
+        """On GPUs: DCP's stager that keeps its page-locked host copy of ``state`` for
         the next saves, so staging is one device-to-host copy at full bandwidth instead of
         allocating the host memory again (measured on ``vit_2b``: see benchmarks/checkpoint.py).
         None (DCP's default staging) on CPUs, which cannot page-lock, and for tensor-parallel

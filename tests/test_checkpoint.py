@@ -9,6 +9,7 @@ skipping broken checkpoints, interrupted and async saves, a full disk, and the e
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed.checkpoint import LATEST, CheckpointManager, step_folder
+from distributed.checkpoint import LATEST, CheckedWriter, CheckpointManager, step_folder
 from distributed.env import LaunchEnv, World
 from networks.vit import VisionTransformer, build_model
 from tests.dist_utils import run_distributed, subprocess_env
@@ -160,11 +161,17 @@ def round_trip(rank: int, world_size: int, directory: str, parallel: str, async_
     return want
 
 
+def checkpoint_files(folder: Path) -> list[str]:
+    """A checkpoint's file names, each rank's ``__<rank>_<k>.distcp`` (one per writer thread that had
+    data) counted once as ``__<rank>.distcp``."""
+    return sorted({re.sub(r"^(__\d+)_\d+\.distcp$", r"\1.distcp", p.name) for p in folder.iterdir()})
+
+
 def test_one_process_round_trip(tmp_path):
     round_trip(0, 1, str(tmp_path), "none")
     folder = tmp_path / "step_00000003"
     assert (tmp_path / LATEST).read_text().strip() == folder.name
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "rank0.pt"]
+    assert checkpoint_files(folder) == [".metadata", "__0.distcp", "rank0.pt"]
 
 
 def ddp_round_trip_then_broken_rank_file(rank: int, world_size: int, directory: str) -> None:
@@ -220,8 +227,8 @@ def fsdp_checkpoint(tmp_path_factory) -> Path:
 
 def test_fsdp_round_trip_sync_and_async(fsdp_checkpoint):
     assert (fsdp_checkpoint / "sync" / LATEST).read_text().strip() == "step_00000003"
-    assert {p.name for p in (fsdp_checkpoint / "step_00000003").glob("*") if p.suffix in (".distcp", ".pt")} == {
-        "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt"}
+    assert checkpoint_files(fsdp_checkpoint / "step_00000003") == [
+        ".metadata", "__0.distcp", "__1.distcp", "rank0.pt", "rank1.pt"]
 
 
 def test_fsdp_checkpoint_loads_on_one_process(fsdp_checkpoint):
@@ -250,7 +257,7 @@ def test_truncated_newest_checkpoint_is_skipped_with_warning(tmp_path, caplog):
     want = snapshot(run)
     train(run, 1)
     run.manager.save(2)
-    shard = tmp_path / "step_00000002" / "__0_0.distcp"
+    shard = max((tmp_path / "step_00000002").glob("__0_*.distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     fresh = make_run(tmp_path, make_world(), seed=1)
     assert fresh.manager.load() == 1
@@ -293,7 +300,7 @@ def test_interrupted_save_leaves_latest_and_is_cleaned(tmp_path, monkeypatch):
     assert_same(snapshot(fresh), want)
     train(fresh, 1)
     fresh.manager.save(2)  # the same step again: the leftover folder is replaced, not mixed in
-    assert sorted(p.name for p in interrupted.iterdir()) == [".metadata", "__0_0.distcp", "rank0.pt"]
+    assert checkpoint_files(interrupted) == [".metadata", "__0.distcp", "rank0.pt"]
     assert (tmp_path / LATEST).read_text().strip() == "step_00000002"
     (tmp_path / "step_00000007").mkdir()  # an interrupted save of a timeline this run abandoned
     train(fresh, 1)
@@ -394,3 +401,21 @@ def test_export_tool(tmp_path):
         _, stderr, status = out[name]
         assert status == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, (name, stderr)
         assert needle in stderr and "Traceback" not in stderr, (name, stderr)
+
+
+def test_a_failing_writer_thread_fails_the_save(tmp_path, monkeypatch):
+    import errno
+    import threading
+
+    from torch.distributed.checkpoint import filesystem
+    write_item = filesystem._write_item
+
+    def full_disk_off_the_main_thread(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_item(*args, **kwargs)
+    monkeypatch.setattr(filesystem, "_write_item", full_disk_off_the_main_thread)
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(16)}
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        dcp.save(state, storage_writer=CheckedWriter(tmp_path, thread_count=4), no_dist=True)
+    assert not (tmp_path / ".metadata").exists()  # plain FileSystemWriter would commit the missing items
