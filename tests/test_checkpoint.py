@@ -250,12 +250,18 @@ def test_keep_checkpoints_deletes_older(tmp_path):
     assert run.manager.latest() == tmp_path / "step_00000004"
 
 
-def test_truncated_newest_checkpoint_is_skipped_with_warning(tmp_path, caplog):
+def saved_then_trained(tmp_path: Path):
+    """A run checkpointed after one step and trained one more; returns it and its state at the checkpoint."""
     run = make_run(tmp_path, make_world())
     train(run, 1)
     run.manager.save(1)
     want = snapshot(run)
     train(run, 1)
+    return run, want
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_warning(tmp_path, caplog):
+    run, want = saved_then_trained(tmp_path)
     run.manager.save(2)
     shard = max((tmp_path / "step_00000002").glob("__0_*.distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -279,11 +285,7 @@ def test_every_checkpoint_broken_is_one_line_error(tmp_path):
 
 
 def test_interrupted_save_leaves_latest_and_is_cleaned(tmp_path, monkeypatch):
-    run = make_run(tmp_path, make_world())
-    train(run, 1)
-    run.manager.save(1)
-    want = snapshot(run)
-    train(run, 1)
+    run, want = saved_then_trained(tmp_path)
 
     def crash(*args, **kwargs):  # the shards are written, .metadata never is
         raise RuntimeError("simulated crash")
