@@ -156,7 +156,24 @@ class LoggingConfig:
     profile_epoch: int = key(1, "0-based epoch of the Nsight window (ENABLE_PROFILING=1)", NON_NEGATIVE)
     profile_start_step: int = key(5, "first step of the Nsight window", NON_NEGATIVE)
     profile_steps: int = key(5, "steps in the Nsight window", AT_LEAST_1)
-    memory_snapshot: bool = key(False, "dump a CUDA allocator snapshot after the first epoch")
+
+
+@dataclass
+class MemoryConfig:
+    """The memory profiling window and OOM handling (``utils/memory.py``, ``utils/memory_profile.py``)."""
+
+    memory_profile: bool = key(False, "profile memory over a window of steps into <run_dir>/memory/rank<r>/")
+    memory_profile_epoch: int = key(0, "0-based epoch of the memory profiling window", NON_NEGATIVE)
+    memory_profile_start_step: int = key(1, "first step (within the epoch) of the memory profiling window",
+                                         NON_NEGATIVE)
+    memory_profile_steps: int = key(2, "steps in the memory profiling window", AT_LEAST_1)
+    memory_profile_max_entries: int = key(100000, "allocator events kept in the window's history (a ring buffer)",
+                                          AT_LEAST_1)
+    memory_profile_stacks: Literal["python", "all", "none"] = key(
+        "python", "stack traces recorded with each allocation: python, all (also C++), none (for big models)")
+    memory_profile_depth: int = key(2, "module depth of the per-module memory table", AT_LEAST_1)
+    memory_snapshot_on_oom: Optional[bool] = key(None, "write an allocator snapshot when CUDA runs out of memory "
+                                                       "(null: on with --memory_profile)")
 
 
 @dataclass
@@ -176,6 +193,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "parallel": (ParallelConfig, "parallelism"),
     "checkpoint": (CheckpointConfig, "checkpointing"),
     "logging": (LoggingConfig, "logging and profiling"),
+    "memory": (MemoryConfig, "memory profiling and OOM handling"),
     "evaluation": (EvaluationConfig, "evaluation"),
 }
 
@@ -193,6 +211,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def flat(self) -> dict[str, Any]:

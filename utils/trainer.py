@@ -220,14 +220,11 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def close(self, error: BaseException | None = None) -> None:
-        """End the run, after success or ``error``: finish a pending checkpoint write, stop allocator
-        recording, release the loaders (workers, pinned buffers, DALI pipelines), close the
-        writers and mark ``run.json``."""
+        """End the run, after success or ``error``: finish a pending checkpoint write, release the
+        loaders (workers, pinned buffers, DALI pipelines), close the writers and mark ``run.json``."""
         self.preemption.close()
         if error is None:
             self.checkpoint.close()
-        if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(enabled=None)
         self.data.close()
         self.reporter.close(error)
 
@@ -244,8 +241,6 @@ class Trainer:
         n_epochs = math.ceil(opt.num_iters / steps_per_epoch)
         log.info("training %d iterations: %d epochs of %d steps (%d samples/epoch); run directory %s",
                  opt.num_iters, n_epochs, steps_per_epoch, steps_per_epoch * self.global_bs, self.run_dir)
-        if self.cfg.logging.memory_snapshot and self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=100000)
         record: dict = {}
         while state.step < opt.num_iters:
             epoch = state.epoch
@@ -257,8 +252,6 @@ class Trainer:
                 record.update(self.validate())
             state.epoch, state.epoch_step, state.epoch_loss_sum, state.epoch_loss_mean = epoch + 1, 0, 0.0, 0.0
             self.reporter.epoch(record, n_epochs)
-            if epoch == 0:
-                self._dump_memory_snapshot()
             if self.checkpoint_due:
                 self.save_checkpoint()
         self.finish_checkpoints()
@@ -423,14 +416,6 @@ class Trainer:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _dump_memory_snapshot(self) -> None:
-        if not (self.cfg.logging.memory_snapshot and self.device.type == "cuda"):
-            return
-        path = self.run_dir / f"memory_snapshot_rank{self.world.rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
-        log.info("memory snapshot written to %s (open at https://pytorch.org/memory_viz)", path)
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint_cadence(self) -> bool:
