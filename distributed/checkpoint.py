@@ -39,13 +39,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from distributed.dense_shards import (DenseLoadPlanner, DenseSavePlanner, dense_view, has_dense_shards, plain_view,
-                                      to_host)
+from distributed.dense_shards import DenseLoadPlanner, DenseSavePlanner, dense_view, plain_view
 from distributed.env import World, broadcast_from_main
+from distributed.host_staging import HostStager
 from utils.errors import UserError, free_space
 from utils.schema import CheckpointConfig
 
@@ -305,7 +304,8 @@ class CheckpointManager:
         self.per_rank = {name: obj for name, obj in self.stateful.items() if hasattr(obj, "per_rank_state_dict")}
         self._pending: tuple[Future, Path] | None = None  # an async save staged but not committed
         self._group: dist.ProcessGroup | None = None  # the gloo group of async saves, made at the first one
-        self._stager: BlockingAsyncStager | None = None  # pinned host copy of the saved state, reused
+        self._stager = HostStager(world.device)  # the host copy of the saved state, reused
+        self._prepared = False  # prepare() has started the stager's allocation
         self._current: Path | None = None  # the checkpoint holding the objects' state as saved or loaded
 
     # ---- public
@@ -330,25 +330,32 @@ class CheckpointManager:
         folder = step_folder(self.directory, step)
         if folder == self._current:
             return
-        self._raise_any(self._prepare(folder) if self.world.is_main else None)
+        self._raise_any(self._make_folder(folder) if self.world.is_main else None)
         if self.per_rank:
             self._raise_any(self._write_per_rank(folder), folder)
         state = dense_view(self.model, self._state())
         try:
-            if self.cfg.async_checkpoint:
-                # the copy to host memory is done when async_save returns; the dense blocks of
-                # tensor-parallel slices are copied here
-                self._pending = dcp.async_save(to_host(state), storage_writer=self._writer(folder),
-                                               planner=DenseSavePlanner(), process_group=self._async_group(),
-                                               async_stager=self._host_stager(state)), folder
+            if self.cfg.async_checkpoint:  # async_save returns once the state is copied to host memory
+                self._pending = dcp.async_save(state, storage_writer=self._writer(folder), planner=DenseSavePlanner(),
+                                               process_group=self._async_group(), async_stager=self._stager), folder
                 return
-            # staged in one copy at full bandwidth, the writer threads then only do I/O
-            stager = self._host_stager(state)
-            dcp.save(stager.stage(state) if stager else state, storage_writer=self._writer(folder),
-                     planner=DenseSavePlanner())
+            # on GPUs, one copy to host memory at full bandwidth; the writer threads then only do I/O
+            staged = self._stager.stage(state) if self._stager.pin else state
+            dcp.save(staged, storage_writer=self._writer(folder), planner=DenseSavePlanner())
         except (Exception, CheckpointException) as exc:
             self._save_failed(folder, exc)
         self._commit(folder)
+
+    def prepare(self) -> None:
+        """Start allocating the host buffers that saves copy the state into, in the background, so the
+        first save does not stall for it (:class:`~distributed.host_staging.HostStager`). Call once the
+        state is complete (after the first optimizer step: Adam's moments exist). Later calls return at
+        once, as do calls when nothing is saved or saves need no host copy (sync saves on CPU). Local to
+        this rank."""
+        if self._prepared or not self.cfg.save_checkpoint or not (self.cfg.async_checkpoint or self._stager.pin):
+            return
+        self._prepared = True
+        self._stager.prepare(dense_view(self.model, self._state()))
 
     def wait(self) -> None:
         """Finish the pending async save and commit it; nothing to do without one (collective: every
@@ -416,27 +423,13 @@ class CheckpointManager:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+            self._stager.close()
 
     @staticmethod
     def _writer(folder: Path) -> dcp.FileSystemWriter:
         """DCP's file writer with WRITE_THREADS threads: one thread writes far below a parallel
         filesystem's (or even a local disk's) bandwidth."""
         return CheckedWriter(folder, thread_count=WRITE_THREADS)
-
-    def _host_stager(self, state: dict[str, Any]) -> BlockingAsyncStager | None:
-        """On GPUs: DCP's stager that keeps its page-locked host copy of ``state`` for
-        the next saves, so staging is one device-to-host copy at full bandwidth instead of
-        allocating the host memory again (measured on ``vit_2b``: see benchmarks/checkpoint.py).
-        None (DCP's default staging) on CPUs, which cannot page-lock, and for tensor-parallel
-        states, whose dense blocks are fresh host copies each time (:func:`to_host`)."""
-        if not torch.cuda.is_available() or has_dense_shards(state):
-            return None
-        if self._stager is None:
-            self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
-        return self._stager
 
     # ---- loading
     def _candidates(self) -> list[Path]:
@@ -459,7 +452,7 @@ class CheckpointManager:
         return {**_model_state(self.model, self.optimizer),
                 **{name: obj.state_dict() for name, obj in self.stateful.items()}}
 
-    def _prepare(self, folder: Path) -> str | None:
+    def _make_folder(self, folder: Path) -> str | None:
         """Rank 0: an empty ``folder`` (a leftover of a save that never committed is deleted first, so
         none of its files mixes into the new one). Returns an error message or None."""
         try:

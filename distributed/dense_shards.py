@@ -42,7 +42,7 @@ from distributed.mappings import group_rank, group_size
 from distributed.tensor_parallel import tp_layouts
 
 __all__ = ["DenseShards", "DenseSavePlanner", "DenseLoadPlanner", "dense_blocks", "dense_shards", "dense_view",
-           "plain_view", "to_host"]
+           "plain_view"]
 
 Block = tuple[tuple[int, ...], torch.Tensor]  # (offsets in the dense tensor, the block's tensor)
 
@@ -57,7 +57,7 @@ class DenseShards:
             size) sits at ``offsets`` in the dense tensor; blocks do not overlap. May be empty (an
             FSDP rank without rows of this parameter).
         source: the tensor (or DTensor) the blocks are views of, which :func:`plain_view` puts back;
-            None for a host copy (:meth:`to_host`).
+            None for a host copy (``distributed/host_staging.py``).
     """
 
     def __init__(self, size: torch.Size, dtype: torch.dtype, blocks: list[Block], source: torch.Tensor | None = None):
@@ -67,10 +67,6 @@ class DenseShards:
     def size(self) -> torch.Size:
         """The dense shape (DCP's load checks it against the checkpoint's)."""
         return self._size
-
-    def to_host(self) -> DenseShards:
-        """A copy whose blocks are new CPU tensors (the staging of an async save)."""
-        return DenseShards(self._size, self.dtype, [(off, t.detach().to("cpu", copy=True)) for off, t in self.blocks])
 
     # ---- DCP's _Checkpointable protocol
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
@@ -231,24 +227,8 @@ def _map_shards(tree: Any, fn) -> Any:
     return tree
 
 
-def has_dense_shards(state: dict[str, Any]) -> bool:
-    """Whether ``state`` holds any :class:`DenseShards` (a tensor-parallel model's)."""
-    found = []
-    _map_shards(state, found.append)
-    return bool(found)
-
-
 def plain_view(state: dict[str, Any]) -> dict[str, Any]:
     """Inverse of :func:`dense_view`: every :class:`DenseShards` replaced by the tensor it views (which
     a DCP load wrote into); other values kept, dicts and lists copied."""
     return _map_shards(state, lambda shards: shards.source)
 
-
-def to_host(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every :class:`DenseShards` replaced by a CPU copy (:meth:`DenseShards.to_host`).
-
-    Call before ``dcp.async_save``, whose background write must not read blocks that the next
-    optimizer steps change. DCP's default stager would deep-copy a DenseShards itself, but with its
-    ``source`` (the whole slice again); and another stager may keep unknown objects by reference.
-    """
-    return _map_shards(state, DenseShards.to_host)

@@ -34,7 +34,9 @@ def test_checkpoint_benchmark_measures_every_kind_of_save(tiny_data, tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:]
     rows = {r["what"]: r for r in json.loads(out.read_text())["results"]}
-    assert len(rows) == 7 and all(r["seconds"] > 0 for r in rows.values())
+    assert len(rows) == 9 and all(r["seconds"] > 0 for r in rows.values())
+    assert all(rows[f"host buffers of {kind} saves, allocated in the background"]["steps_during_write"] == 2
+               for kind in ("sync", "async"))
     saves = [r for what, r in rows.items() if what.startswith("sharded save")]
     assert len(saves) == 4 and all(r["size_gb"] > 0 and r["stall_s"] >= 0 for r in saves)
     assert "sharded load" in outputs[0][0]  # the table, on rank 0

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from distributed.checkpoint import CheckpointManager, save_full_model
 from distributed.env import World, all_reduce, broadcast_from_main
+from distributed.host_staging import register_pinned_memory
 from distributed.parallelize import (AMP_DTYPES, build_grad_scaler, build_parallel_model, clip_grad_norm,
                                      gradient_sync, reduce_replicated_gradients)
 from networks.vit import build_model
@@ -91,6 +92,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, world: World):
         self.cfg, self.world, self.device = cfg, world, world.device
+        register_pinned_memory()  # before the loaders page-lock their buffers
         # from the start, so a signal during startup also ends in a checkpoint; without checkpoints a
         # signal keeps its default action: stop at once
         self.preemption = PreemptionFlag()
@@ -282,6 +284,8 @@ class Trainer:
             pending = check
             self.state.step += 1
             self.state.epoch_step += 1
+            if step == start:  # Adam's state exists now: the checkpoint's host buffers are allocated meanwhile
+                self.checkpoint.prepare()
             self._progress_update(bar, step, end, epoch)
             self.checkpoint_due = self.checkpoint_due or self._checkpoint_cadence()
             # a periodic checkpoint due at the epoch's end waits for its report; a preemption does not
