@@ -17,7 +17,6 @@ from distributed.env import World, all_reduce
 from utils.data_loader import Data
 from utils.errors import NonFiniteError, UserError
 from utils.metrics import latitude_weights, relative_l2_loss, weighted_acc_channels, weighted_rmse_channels
-from utils.plots import prediction_figure
 from utils.profiling import nvtx_range
 from utils.schema import EvaluationConfig
 
@@ -97,6 +96,7 @@ class Evaluator:
 
     def _figure(self, pred: torch.Tensor, tar: torch.Tensor):
         """Prediction, target and difference maps of the plot channel, in physical units."""
+        from utils.plots import prediction_figure  # matplotlib (0.5 s) loads only on the rank that draws
         names = self.data.channel_names
         ch = names.index(self.plot_channel)
         mean, std = self.data.stats.mean[0, ch], self.data.stats.std[0, ch]
