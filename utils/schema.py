@@ -171,7 +171,8 @@ class MemoryConfig:
                                           AT_LEAST_1)
     memory_profile_stacks: Literal["python", "all", "none"] = key(
         "python", "stack traces recorded with each allocation: python, all (also C++), none (for big models)")
-    memory_profile_depth: int = key(2, "module depth of the per-module memory table", AT_LEAST_1)
+    memory_profile_depth: int = key(3, "module depth of the per-module memory table (the model is 1, its blocks 3)",
+                                    AT_LEAST_1)
     memory_snapshot_on_oom: Optional[bool] = key(None, "write an allocator snapshot when CUDA runs out of memory "
                                                        "(null: on with --memory_profile)")
 

@@ -36,6 +36,7 @@ from utils.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preempted,
 from utils.flops import peak_flops, vit_flops_per_sample
 from utils.logging_utils import setup_logging
 from utils.memory import MemoryTracker
+from utils.memory_profile import MemoryProfiler
 from utils.evaluation import Evaluator, nonfinite_samples
 from utils.metrics import relative_l2_loss
 from utils.preemption import PreemptionFlag, signal_name
@@ -122,6 +123,8 @@ class Trainer:
                                  self.evaluator.key_channels)
         self._build_model()
         self.memory = MemoryTracker(self.device)
+        self.memory_profile = MemoryProfiler(cfg.memory, self.run_dir / "memory", world, self.model, self.optimizer,
+                                             self.local_bs)
         lg = cfg.logging
         self.profiler = ProfilerWindow(lg.profile_epoch, lg.profile_start_step, lg.profile_steps, world.rank)
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
@@ -227,6 +230,7 @@ class Trainer:
         self.preemption.close()
         if error is None:
             self.checkpoint.close()
+        self.memory_profile.close()
         self.data.close()
         self.reporter.close(error)
 
@@ -276,7 +280,7 @@ class Trainer:
         for step in range(start, end):
             self.profiler.step(epoch, step)
             self.world.note_step(self.state.step)
-            with nvtx_range(f"step {self.state.step}"):
+            with self.memory_profile.step(epoch, step), nvtx_range(f"step {self.state.step}"):
                 check = self.train_step(batches)
             self.loss_sum += check["loss"].detach()
             if pending is not None:
@@ -299,6 +303,7 @@ class Trainer:
         if pending is not None:
             self._check_finite(pending)
         self.profiler.close(epoch, end)
+        self.memory_profile.end_epoch(epoch)
         self._synchronize()
         elapsed = time.perf_counter() - t0
         if bar is not None:

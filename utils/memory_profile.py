@@ -1,0 +1,472 @@
+"""Memory profiling over a window of training steps (``--memory_profile``): where every byte goes, per rank.
+
+The window is steps ``memory_profile_start_step .. + memory_profile_steps - 1`` of epoch
+``memory_profile_epoch`` (0-based, like the Nsight window of ``utils/profiling.py``). Outside it
+:meth:`MemoryProfiler.step` returns a ``contextlib.nullcontext``: no hooks, no allocator history,
+no synchronization. Inside it every rank writes, under ``<run_dir>/memory/rank<r>/``:
+
+* ``snapshot_e<epoch>_s<step>_start.pickle`` / ``_end.pickle`` (CUDA only): the caching allocator's
+  state and its alloc/free history since the window opened
+  (``torch.cuda.memory._record_memory_history``, a ring buffer of ``memory_profile_max_entries``
+  events; ``memory_profile_stacks none`` records no stack traces). Open them by dragging onto
+  https://pytorch.org/memory_viz (https://pytorch.org/docs/stable/torch_cuda_memory.html).
+* ``memory_stats.yaml``: ``torch.cuda.memory_stats()`` (CUDA; keys as PyTorch names them) and the host
+  ``host_rss_bytes``/``host_vms_bytes`` (``/proc/self/statm``, Linux) at the start and end of each
+  profiled step, with ``end_minus_start``.
+* ``module_table.txt`` / ``module_table.json``: per-module memory at each module's peak over the
+  window's first step, by category, from PyTorch's ``FSDPMemTracker`` (FSDP2 models: sharded and
+  unsharded parameters and gradients, activations, temporaries, optimizer state, all-gather and
+  reduce-scatter buffers) or ``MemTracker`` (otherwise), modules down to ``memory_profile_depth``.
+* ``summary.json``: this rank's bytes of activations (:class:`ActivationCounter`; per step, per sample,
+  per block), parameters and optimizer state (local shards), gradients (as the optimizer step finds
+  them), the peak (CUDA: ``allocated_bytes.all.peak``/``reserved_bytes.all.peak``, the allocator's
+  peak since the last ``reset_peak_memory_stats``, which the epoch's memory report does at each epoch
+  start; CPU: ``peak_rss_bytes``, the process's RSS high-water mark), the module table's peak, and
+  the names of the files above.
+
+Rank 0 logs a summary over all ranks when the window ends (a collective all ranks reach at the same
+step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import resource
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from ruamel.yaml import YAML
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from distributed.env import World, all_reduce
+from utils.errors import UserError
+from utils.schema import MemoryConfig
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+SUMMARY_FILE = "summary.json"
+STATS_FILE = "memory_stats.yaml"
+TABLE_FILE = "module_table.txt"
+TABLE_JSON_FILE = "module_table.json"
+# model.blocks[i] of networks/vit.py, also inside DDP ("module.blocks.0"); under activation
+# checkpointing this is the checkpoint wrapper, which saves the block's input before the block runs
+BLOCK_NAME = re.compile(r"(?:^|\.)(blocks\.\d+)$")
+OUTSIDE_BLOCKS = "other"  # patch embedding, final norm, head and loss
+# how far back a saved tensor's autograd graph is followed through single-input nodes (views, casts)
+# to find the parameter it was computed from
+PARAMETER_COPY_DEPTH = 4
+TOP_MODULES = 5
+STEP_PEAK = "(step peak)"  # the module table's row of the whole step's peak
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP2, tensor parallel), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes (numel x element size) of this rank's parts of ``tensors``."""
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``; local shards)."""
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor))
+
+
+def optimized_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def gradient_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's gradients (local shards) of the optimizer's parameters, as they are now."""
+    return tensor_bytes(p.grad for p in optimized_parameters(optimizer) if p.grad is not None)
+
+
+def is_parameter_copy(t: torch.Tensor) -> bool:
+    """True if ``t`` is a parameter, or was computed from one parameter by views and casts alone: its
+    autograd graph leads, through single-input nodes, to a parameter's ``AccumulateGrad``. This covers
+    ``weight.t()`` saved by ``F.linear``, autocast's low-precision weight copies and FSDP2's unsharded
+    parameters (``nn.Parameter`` during forward)."""
+    if isinstance(t, nn.Parameter):
+        return True
+    node = t.grad_fn
+    for _ in range(PARAMETER_COPY_DEPTH):
+        inputs = [] if node is None else [f for f, _ in node.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
+            return isinstance(node.variable, nn.Parameter)
+    return False
+
+
+@dataclass
+class StepActivations:
+    """Activation bytes of one training step: ``by_block`` maps ``blocks.<i>`` and ``other`` to bytes;
+    ``micro_batches`` counts the model's forward calls."""
+
+    by_block: dict[str, int] = field(default_factory=dict)
+    micro_batches: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_block.values())
+
+
+class ActivationCounter:
+    """Counts the bytes autograd saves for backward during forward, per step and per ViT block.
+
+    A ``torch.autograd.graph.saved_tensors_hooks`` pack hook sees every tensor saved for backward
+    (https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors). Counted: the storage
+    bytes (``untyped_storage().nbytes()``) of each saved tensor that is not a parameter copy
+    (:func:`is_parameter_copy`), each storage once per step (views of one storage, such as q, k and v
+    of the fused QKV output, count once). Attributed to the ``model.blocks[i]`` running when it was
+    saved, else to ``other`` (patch embedding, head, and the loss computed under the step).
+
+    Activation checkpointing (``torch.utils.checkpoint``, non-reentrant, as
+    ``distributed/parallelize.py`` applies it): a checkpointed block stores its inputs through the
+    pack hooks active when it is called (``_CheckpointFrame.save_inputs``), so they are counted;
+    inside the block checkpoint pushes its own hooks, which store nothing and hide the block's saves
+    from this counter, also during the recomputation in backward. So a fully checkpointed block
+    counts exactly its input, the memory it keeps alive. The outputs an op-level selective policy
+    (``--activation_checkpointing selective --ac_every 0 --ac_blocks 0``) caches are held by
+    checkpoint's dispatch mode, not saved through hooks: they are not counted (the module table has
+    them, under activations).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.blocks = {m: match.group(1) for name, m in model.named_modules() if (match := BLOCK_NAME.search(name))}
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator[StepActivations]:
+        """Count during the ``with`` body (one training step); yields its :class:`StepActivations`."""
+        result = StepActivations()
+        seen = WeakIdKeyDictionary()  # storages counted this step (weak: a freed one is forgotten)
+        current = [OUTSIDE_BLOCKS]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not is_parameter_copy(t):
+                with torch.no_grad():
+                    storage = local_tensor(t).untyped_storage()
+                if storage not in seen:
+                    seen[storage] = True
+                    result.by_block[current[0]] = result.by_block.get(current[0], 0) + storage.nbytes()
+            return t
+
+        def enter(module, args):
+            current[0] = self.blocks[module]
+
+        def leave(module, args, output):
+            current[0] = OUTSIDE_BLOCKS
+
+        def forward_call(module, args):
+            result.micro_batches += 1
+
+        handles = [self.model.register_forward_pre_hook(forward_call)]
+        for block in self.blocks:
+            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield result
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _load_trackers():
+    """PyTorch's (private) memory trackers. Raises UserError when this PyTorch lacks them."""
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError as exc:
+        raise UserError(f"--memory_profile needs PyTorch's memory trackers (torch.distributed._tools), which torch "
+                        f"{torch.__version__} lacks ({exc}); install the torch version pyproject.toml pins, or set "
+                        "--memory_profile false") from None
+    return FSDPMemTracker, MemTracker
+
+
+class ModuleTable:
+    """Per-module memory by category over one training step, from PyTorch's memory trackers.
+
+    ``FSDPMemTracker`` for FSDP2 models (it instruments the FSDP modules: the root and each block),
+    ``MemTracker`` otherwise (every module). Both are ``TorchDispatchMode``s that categorize each
+    tensor storage created or touched (parameters, gradients, activations, temporaries, optimizer
+    state; FSDP: sharded/unsharded parameters and gradients, all-gather and reduce-scatter buffers)
+    and keep, per module, snapshots at its forward/backward boundaries and peaks. With gradient
+    accumulation the module statistics are reset at each forward of the model (the trackers reject
+    a second root forward), so the table shows the step's last micro-batch, the one holding the
+    accumulated gradients. Raises UserError if the trackers are missing.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        fsdp_tracker, plain_tracker = _load_trackers()
+        self.model = model
+        if isinstance(model, FSDPModule):
+            self.tracker = fsdp_tracker(model, optimizer)
+        else:
+            self.tracker = plain_tracker()
+            self.tracker.track_external(model, optimizer)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Track the ``with`` body (one training step)."""
+        def reset_per_micro_batch(module, args):
+            if module is self.model and module in self.tracker.memory_tracking:
+                self.tracker.reset_mod_stats()
+
+        # global, and registered before the tracker's own global hooks, so it runs first
+        handle = nn.modules.module.register_module_forward_pre_hook(reset_per_micro_batch)
+        try:
+            with self.tracker:
+                yield
+        finally:
+            handle.remove()
+
+    def rows(self, depth: int) -> list[dict]:
+        """One row per module (PyTorch's depth: root 1, its children 2, ...) and device, at the
+        module's peak: ``module``, ``device``, ``state`` (where the peak was), ``peak_bytes``, and
+        ``bytes`` per category (the trackers' names). The first rows, module :data:`STEP_PEAK`, are the
+        step's peak per device."""
+        rows = [_row(STEP_PEAK, "", device, snap) for device, snap in self.tracker.get_tracker_snapshot("peak").items()]
+        for stats in self.tracker.memory_tracking.values():
+            if stats.mod_fqn.count(".") + 1 > depth:
+                continue
+            peaks: dict = {}
+            for state, snapshots in stats.snapshots.items():
+                for snapshot in snapshots:
+                    for device, snap in snapshot.items():
+                        if device not in peaks or snap["Total"] > peaks[device][1]["Total"]:
+                            peaks[device] = (state.value, snap)
+            rows += [_row(stats.mod_fqn, state, device, snap) for device, (state, snap) in peaks.items()]
+        return rows
+
+
+def _row(module: str, state: str, device, snap: dict) -> dict:
+    return {"module": module, "device": str(device), "state": state, "peak_bytes": snap["Total"],
+            "bytes": {getattr(k, "value", k): v for k, v in snap.items() if k != "Total"}}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The module table as fixed-width text, memory in MiB."""
+    categories = list(dict.fromkeys(c for row in rows for c in row["bytes"]))
+    header = ["module", "device", "peak at", "peak MiB", *categories]
+    lines = [[r["module"], r["device"], r["state"], f"{r['peak_bytes'] / 2**20:.2f}",
+              *(f"{r['bytes'].get(c, 0) / 2**20:.2f}" for c in categories)] for r in rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip()
+                     for line in [header, *lines]) + "\n"
+
+
+def host_memory() -> dict[str, int]:
+    """Resident and virtual size of this process in bytes (``/proc/self/statm``, Linux); empty elsewhere."""
+    try:
+        vms_pages, rss_pages = Path("/proc/self/statm").read_text().split()[:2]
+    except OSError:
+        return {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    return {"host_rss_bytes": int(rss_pages) * page, "host_vms_bytes": int(vms_pages) * page}
+
+
+def peak_rss_bytes() -> int:
+    """The process's resident-set high-water mark in bytes (``getrusage``: KiB on Linux, bytes on macOS)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+class MemoryProfiler:
+    """The ``--memory_profile`` window (see the module docstring for what it writes).
+
+    Args:
+        cfg: the ``memory`` config section.
+        directory: ``<run_dir>/memory``; this rank writes to ``directory/rank<r>/``.
+        world: this process's place in the job (rank, device; the summary is reduced over all ranks).
+        model: the model as trained (DDP, FSDP2 or plain).
+        optimizer: its optimizer.
+        local_batch_size: samples per micro-batch on this rank (for activation bytes per sample).
+
+    Raises:
+        UserError: ``memory_profile`` is on and PyTorch lacks the memory trackers.
+    """
+
+    def __init__(self, cfg: MemoryConfig, directory: Path, world: World, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, local_batch_size: int):
+        self.cfg, self.world, self.model, self.optimizer = cfg, world, model, optimizer
+        self.directory = Path(directory) / f"rank{world.rank}"
+        self.local_batch_size = local_batch_size
+        self.cuda = world.device.type == "cuda"
+        self.first = cfg.memory_profile_start_step
+        self.last = cfg.memory_profile_start_step + cfg.memory_profile_steps - 1
+        if cfg.memory_profile:
+            _load_trackers()  # fail before training, not at the window
+        self.steps: list[dict] = []  # one record per profiled step
+        self.snapshots: list[str] = []
+        self.counter: ActivationCounter | None = None
+        self.table: ModuleTable | None = None
+        self.recording = False
+        self.done = False
+
+    def step(self, epoch: int, step: int) -> contextlib.AbstractContextManager:
+        """Context for one whole training step (0-based ``step`` within ``epoch``; forward and backward
+        of every micro-batch, optimizer step, ``zero_grad``): profiled inside the window, a
+        ``contextlib.nullcontext()`` outside it. A run resumed inside the window profiles the window's
+        remaining steps. After the window's last step every rank writes its files and rank 0 logs the
+        summary (collective)."""
+        if (not self.cfg.memory_profile or self.done or epoch != self.cfg.memory_profile_epoch
+                or not self.first <= step <= self.last):
+            return contextlib.nullcontext()
+        return self._profiled_step(epoch, step)
+
+    def end_epoch(self, epoch: int) -> None:
+        """Close a window still open at the end of ``epoch`` (its epoch had fewer steps): write the files
+        and log the summary (collective, as at the window's last step)."""
+        if self.steps and not self.done:
+            self._finish()
+        elif (self.cfg.memory_profile and not self.steps and epoch == self.cfg.memory_profile_epoch
+              and self.world.is_main):
+            log.warning("memory profile: epoch %d ran none of the window's steps %d-%d; nothing profiled",
+                        epoch, self.first, self.last)
+
+    def close(self) -> None:
+        """Stop the allocator history if the window left it recording (after an error in a step; a step's
+        hooks and tracker are released by the step itself). Never raises; not collective."""
+        if not self.recording:
+            return
+        try:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception as exc:  # closing after a failure must not raise over it
+            log.warning("memory profile: could not stop the allocator history: %s", exc)
+        self.recording = False
+
+    @contextlib.contextmanager
+    def _profiled_step(self, epoch: int, step: int):
+        if not self.steps:
+            self._open(epoch, step)
+        name = f"e{epoch}_s{step}"
+        start = self._sample(f"snapshot_{name}_start.pickle")
+        grads: list[int] = []
+        with contextlib.ExitStack() as stack:
+            activations = stack.enter_context(self.counter.count())
+            # the gradients as the optimizer step finds them (set to None by zero_grad at the step's end)
+            stack.callback(self.optimizer.register_step_pre_hook(
+                lambda optimizer, args, kwargs: grads.append(gradient_bytes(optimizer))).remove)
+            if self.table is None:
+                self.table = ModuleTable(self.model, self.optimizer)
+                stack.enter_context(self.table.track())
+            yield
+        end = self._sample(f"snapshot_{name}_end.pickle")
+        self.steps.append({
+            "epoch": epoch, "step": step, "micro_batches": activations.micro_batches,
+            "activation_bytes": activations.total, "activation_bytes_by_block": activations.by_block,
+            # a step the GradScaler skipped has no optimizer step: the gradients' size, from the parameters
+            "gradient_bytes": grads[-1] if grads else tensor_bytes(optimized_parameters(self.optimizer)),
+            "start": start, "end": end, "end_minus_start": {k: end[k] - start[k] for k in start.keys() & end.keys()}})
+        self._write_stats()
+        if step == self.last:
+            self._finish()
+
+    def _open(self, epoch: int, step: int) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.counter = ActivationCounter(self.model)
+        if self.cuda:
+            stacks = self.cfg.memory_profile_stacks  # context None: no stack traces at all
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context=None if stacks == "none" else "all",
+                stacks="python" if stacks == "none" else stacks,
+                max_entries=self.cfg.memory_profile_max_entries, clear_history=True)
+            self.recording = True
+        if self.world.is_main:
+            log.info("memory profile: window opens at epoch %d step %d; files in %s", epoch, step,
+                     self.directory.parent / "rank<r>")
+
+    def _sample(self, snapshot: str) -> dict[str, int]:
+        """``memory_stats`` (CUDA) and host memory now; on CUDA also dumps the allocator snapshot."""
+        stats = host_memory()
+        if self.cuda:
+            stats.update(torch.cuda.memory_stats(self.world.device))
+            torch.cuda.memory._dump_snapshot(str(self.directory / snapshot))
+            self.snapshots.append(snapshot)
+        return stats
+
+    def _write_stats(self) -> None:
+        # rewritten after each step, so a run that fails inside the window keeps the steps before
+        records = [{k: r[k] for k in ("epoch", "step", "start", "end", "end_minus_start")} for r in self.steps]
+        yaml = YAML()
+        yaml.default_flow_style = False
+        with open(self.directory / STATS_FILE, "w") as f:
+            yaml.dump(records, f)
+
+    def _finish(self) -> None:
+        self.done = True
+        if self.recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.recording = False
+        rows = self.table.rows(self.cfg.memory_profile_depth)
+        (self.directory / TABLE_FILE).write_text(format_table(rows))
+        (self.directory / TABLE_JSON_FILE).write_text(json.dumps(rows, indent=1))
+        summary = self._summary(max((r["peak_bytes"] for r in rows if r["module"] == STEP_PEAK), default=0))
+        (self.directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        self._log_summary(summary, rows)
+
+    def _summary(self, tracker_peak: int) -> dict:
+        worst = max(self.steps, key=lambda r: r["activation_bytes"])
+        samples = self.local_batch_size * max(1, worst["micro_batches"])
+        summary = {
+            "rank": self.world.rank, "device": str(self.world.device),
+            "window": [{"epoch": r["epoch"], "step": r["step"]} for r in self.steps],
+            "activation_bytes_per_step": worst["activation_bytes"],
+            "activation_bytes_per_sample": worst["activation_bytes"] / samples,
+            "activation_bytes_by_block": worst["activation_bytes_by_block"],
+            "activation_bytes_by_step": [r["activation_bytes"] for r in self.steps],
+            "micro_batches_per_step": worst["micro_batches"],
+            "parameter_bytes": tensor_bytes(self.model.parameters()),
+            "gradient_bytes": self.steps[-1]["gradient_bytes"],
+            "optimizer_state_bytes": optimizer_state_bytes(self.optimizer),
+            "module_table_peak_bytes": tracker_peak,
+        }
+        if self.cuda:
+            stats = torch.cuda.memory_stats(self.world.device)
+            summary["peak_allocated_bytes"] = stats.get("allocated_bytes.all.peak", 0)
+            summary["peak_reserved_bytes"] = stats.get("reserved_bytes.all.peak", 0)
+        else:
+            summary["peak_rss_bytes"] = peak_rss_bytes()
+        summary["files"] = {"summary": SUMMARY_FILE, "memory_stats": STATS_FILE, "module_table": TABLE_FILE,
+                            "module_table_json": TABLE_JSON_FILE, "snapshots": self.snapshots}
+        return summary
+
+    def _log_summary(self, summary: dict, rows: list[dict]) -> None:
+        """Rank 0 logs every rank's figures (a SUM all-reduce of a ``[world_size, 5]`` float64 tensor
+        of bytes, each rank filling its row: collective over all ranks)."""
+        peak_key = "peak_allocated_bytes" if self.cuda else "peak_rss_bytes"
+        keys = ["parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "activation_bytes_per_step", peak_key]
+        table = torch.zeros(self.world.world_size, len(keys), dtype=torch.float64,
+                            device=self.world.device if self.cuda else "cpu")
+        table[self.world.rank] = torch.tensor([float(summary[k]) for k in keys], dtype=torch.float64)
+        table = all_reduce(table, self.world).cpu()
+        if not self.world.is_main:
+            return
+        window = ", ".join(f"e{r['epoch']} s{r['step']}" for r in summary["window"])
+        names = ["parameters", "gradients", "optimizer", "activations", "peak allocated" if self.cuda else "peak RSS"]
+        lines = [f"memory profile ({window}), GiB per rank:", "  rank" + "".join(f"{n:>15}" for n in names)]
+        lines += [f"  {r:4d}" + "".join(f"{v / GIB:15.3f}" for v in row) for r, row in enumerate(table.tolist())]
+        top = sorted((r for r in rows if r["module"] != STEP_PEAK), key=lambda r: -r["peak_bytes"])[:TOP_MODULES]
+        lines.append("  top modules by peak (rank 0): " + ", ".join(
+            f"{r['module']} {r['peak_bytes'] / GIB:.3f} GiB ({r['state']})" for r in top))
+        lines.append(f"  files in {self.directory.parent}/rank<r>/: {SUMMARY_FILE} (these figures, bytes), "
+                     f"{STATS_FILE} (memory_stats and host RSS/VMS at each step's start and end; any YAML viewer), "
+                     f"{TABLE_FILE} / {TABLE_JSON_FILE} (memory per module and category at its peak)"
+                     + (", snapshot_*.pickle (allocator history: drag onto https://pytorch.org/memory_viz)"
+                        if self.cuda else ""))
+        log.info("\n".join(lines))
