@@ -37,6 +37,7 @@ import os
 import re
 import resource
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -46,6 +47,7 @@ from ruamel.yaml import YAML
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from distributed.env import World, all_reduce
@@ -237,10 +239,11 @@ class ModuleTable:
             handle.remove()
 
     def rows(self, depth: int) -> list[dict]:
-        """One row per module (PyTorch's depth: root 1, its children 2, ...) and device, at the
-        module's peak: ``module``, ``device``, ``state`` (where the peak was), ``peak_bytes``, and
-        ``bytes`` per category (the trackers' names). The first rows, module :data:`STEP_PEAK`, are the
-        step's peak per device."""
+        """One row per module down to ``depth`` (the plain model 1, its children 2, ``blocks.<i>`` 3;
+        DDP's wrapper does not count) and device, at the module's peak: ``module``, ``device``,
+        ``state`` (where the peak was), ``peak_bytes``, and ``bytes`` per category (the trackers'
+        names). The first rows, module :data:`STEP_PEAK`, are the step's peak per device."""
+        depth += isinstance(self.model, DistributedDataParallel)
         rows = [_row(STEP_PEAK, "", device, snap) for device, snap in self.tracker.get_tracker_snapshot("peak").items()]
         for stats in self.tracker.memory_tracking.values():
             if stats.mod_fqn.count(".") + 1 > depth:
@@ -365,10 +368,14 @@ class MemoryProfiler:
             if self.table is None:
                 self.table = ModuleTable(self.model, self.optimizer)
                 stack.enter_context(self.table.track())
+            t0 = time.perf_counter()
             yield
+            if self.cuda:
+                torch.cuda.synchronize(self.world.device)
+            seconds = time.perf_counter() - t0
         end = self._sample(f"snapshot_{name}_end.pickle")
         self.steps.append({
-            "epoch": epoch, "step": step, "micro_batches": activations.micro_batches,
+            "epoch": epoch, "step": step, "step_time_s": seconds, "micro_batches": activations.micro_batches,
             "activation_bytes": activations.total, "activation_bytes_by_block": activations.by_block,
             # a step the GradScaler skipped has no optimizer step: the gradients' size, from the parameters
             "gradient_bytes": grads[-1] if grads else tensor_bytes(optimized_parameters(self.optimizer)),
@@ -425,7 +432,8 @@ class MemoryProfiler:
         samples = self.local_batch_size * max(1, worst["micro_batches"])
         summary = {
             "rank": self.world.rank, "device": str(self.world.device),
-            "window": [{"epoch": r["epoch"], "step": r["step"]} for r in self.steps],
+            # with the trackers and hooks on; the first step also builds the module table
+            "window": [{"epoch": r["epoch"], "step": r["step"], "step_time_s": r["step_time_s"]} for r in self.steps],
             "activation_bytes_per_step": worst["activation_bytes"],
             "activation_bytes_per_sample": worst["activation_bytes"] / samples,
             "activation_bytes_by_block": worst["activation_bytes_by_block"],
