@@ -1,0 +1,233 @@
+"""The batch-size tuner's search core (utils/batch_tuner.py) against a fake step with a memory model: the
+boundary within the promised number of trials, the choices, the deadline, the agreement of two gloo ranks,
+the learning-rate rule, the train.py arguments and the report files."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed.env import LaunchEnv, World
+from tests.dist_utils import run_distributed
+from utils.batch_tuner import (OBJECTIVES, NoCleanTrial, Trial, agree, choice_args, choose, plot, report_table,
+                               save_json, scaled_lr, search)
+from utils.config import cli_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+WORLD = World(LaunchEnv(), torch.device("cpu"))  # one process: no collective
+
+
+@dataclass
+class Fake:
+    """A step with memory ``base + per_sample * batch`` GiB: allocator retries above ``retry_gib``, OOM above
+    ``oom_gib``; samples/s rise and saturate (``rate * b / (b + 16)``), 30 % lower in the retry zone.
+    ``calls`` records every batch it was asked to run."""
+
+    base_gib: float = 2.0
+    per_sample_gib: float = 0.75
+    retry_gib: float = 72.0
+    oom_gib: float = 80.0
+    rate: float = 200.0
+    dp: int = 1
+    calls: list[int] = field(default_factory=list)
+
+    def memory_gib(self, batch: int) -> float:
+        return self.base_gib + self.per_sample_gib * batch
+
+    def clean(self, batch: int) -> bool:
+        return self.memory_gib(batch) <= self.retry_gib
+
+    def __call__(self, batch: int) -> Trial:
+        self.calls.append(batch)
+        mem = self.memory_gib(batch)
+        trial = Trial(batch, batch * self.dp, peak_allocated_bytes=int(0.9 * mem * GIB),
+                      peak_reserved_bytes=int(mem * GIB), inactive_split_bytes=int(0.05 * mem * GIB))
+        if mem > self.oom_gib:
+            return replace(trial, ooms=1)
+        retrying = mem > self.retry_gib
+        rate = self.rate * batch / (batch + 16) * (0.7 if retrying else 1.0)
+        return replace(trial, samples_per_s=rate, step_time_s=batch * self.dp / rate, mfu=rate / 1000,
+                       alloc_retries=3 if retrying else 0)
+
+
+def batches(trials: list[Trial]) -> list[int]:
+    return [t.local_batch_size for t in trials]
+
+
+def largest_clean(trials: list[Trial]) -> int:
+    return max((t.local_batch_size for t in trials if t.clean), default=0)
+
+
+@pytest.mark.parametrize("fake, start, max_batch", [
+    (Fake(), 8, 4096),                      # retries from 96, OOM from 112: the boundary is 88
+    (Fake(per_sample_gib=0.3), 8, 4096),    # boundary 232, between the doublings 128 and 256
+    (Fake(per_sample_gib=2.5), 16, 4096),   # boundary 24: one doubling, then the bisection
+    (Fake(), 24, 4096),                     # (48, 96): midpoints off the doubling grid, rounded to multiples of 8
+    (Fake(per_sample_gib=0.01), 8, 256),    # never fails: stops at max_batch
+])
+def test_search_finds_the_boundary_within_the_promised_trials(fake, start, max_batch):
+    resolution, below = 8, 2
+    trials = search(fake, WORLD, start=start, resolution=resolution, max_batch=max_batch, below=below)
+    measured = batches(trials)
+    assert fake.calls == measured and len(set(measured)) == len(measured)  # never the same batch twice
+    assert all(b % resolution == 0 for b in measured)
+    want = max(b for b in range(resolution, max_batch + 1, resolution) if fake.clean(b))
+    assert largest_clean(trials) == want
+    if want + resolution <= max_batch:  # resolved: the next multiple was measured and failed
+        assert not next(t for t in trials if t.local_batch_size == want + resolution).clean
+    # the promise of search(): log2(L/start) + 2 doublings, ceil(log2(L/resolution)) bisections, `below` more
+    last_doubling = max(b for b in (start * 2**k for k in range(20)) if b <= want)
+    bound = math.log2(last_doubling / start) + 2 + max(0, math.ceil(math.log2(last_doubling / resolution))) + below
+    assert len(trials) <= bound
+    assert {want - resolution, want - 2 * resolution} <= set(measured)  # the curve just below the boundary
+
+
+def test_search_order_and_agreed_values_for_the_default_fake():
+    trials = search(Fake(), WORLD)
+    # doubling to the OOM at 128, bisecting (64, 128) on multiples of 8, then 80 (done) and 72 below 88
+    assert batches(trials) == [8, 16, 32, 64, 128, 96, 80, 88, 72]
+    assert [t.verdict for t in trials] == ["clean"] * 4 + ["OOM", "retries", "clean", "clean", "clean"]
+    assert trials[4].samples_per_s is None and trials[4].mfu is None  # None survives the agreement
+    assert agree(trials[4], WORLD) == (trials[4], False)
+
+
+def test_search_when_start_fails_halves_to_a_batch_that_fits():
+    fake = Fake(per_sample_gib=20.0)  # retries above 3.5, OOM above 3.9
+    trials = search(fake, WORLD, start=64)
+    assert batches(trials)[:4] == [64, 32, 16, 8]  # bisection on multiples of 8, then halving below 8
+    assert largest_clean(trials) == 2
+    assert len(trials) <= 1 + math.ceil(math.log2(64)) + 2
+
+
+def test_search_never_clean_returns_failures_and_choose_says_why():
+    trials = search(Fake(base_gib=100.0), WORLD, start=8)
+    assert batches(trials) == [8, 4, 2, 1] and not any(t.clean for t in trials)
+    with pytest.raises(NoCleanTrial, match="smallest tried, 1, gave OOM"):
+        choose(trials)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6, 8])
+def test_deadline_stops_early_with_the_trials_so_far(n):
+    now = [0.0]
+
+    def ten_seconds(batch):
+        now[0] += 10.0
+        return Fake()(batch)
+
+    # the search stops when a next 10 s trial would end after the deadline: after n trials
+    trials = search(ten_seconds, WORLD, deadline=10.0 * n + 5, clock=lambda: now[0])
+    assert trials == search(Fake(), WORLD)[:n]
+    assert choose(trials)["max-throughput"] == max((t for t in trials if t.clean), key=lambda t: t.samples_per_s)
+
+
+def t_(batch, rate, **kw) -> Trial:
+    return Trial(batch, 2 * batch, samples_per_s=rate, **kw)
+
+
+def test_choose_objectives_and_tolerance():
+    trials = [t_(8, 100.0), t_(16, 150.0), t_(32, 196.0), t_(64, 200.0), t_(96, 200.0),
+              t_(72, 250.0, alloc_retries=2), t_(48, 260.0, over_budget=True), t_(40, 300.0, error="x"),
+              t_(80, None, ooms=1)]
+    picked = choose(trials)
+    assert picked["max-throughput"].local_batch_size == 64  # faster unclean trials lose; a tie goes to 64
+    assert picked["min-batch-at-peak"].local_batch_size == 32  # 196 >= 0.98 * 200
+    assert choose(trials, tolerance=0.01)["min-batch-at-peak"].local_batch_size == 64
+    assert choose(trials, tolerance=0.25)["min-batch-at-peak"].local_batch_size == 16
+    assert choose(trials, tolerance=0.0)["min-batch-at-peak"].local_batch_size == 64
+    with pytest.raises(ValueError):
+        choose(trials, tolerance=1.0)
+    with pytest.raises(NoCleanTrial, match="smallest tried, 40, gave error"):
+        choose([t for t in trials if not t.clean])
+
+
+def test_scaled_lr_follows_the_config_ladder():
+    base = load_config(ROOT / "config/ViT.yaml", "bs16_opt").optim
+    for b in (32, 64, 128, 256, 512, 1024, 2048):
+        rung = load_config(ROOT / "config/ViT.yaml", f"bs{b}_opt").optim
+        assert scaled_lr(base.lr, base.global_batch_size, rung.global_batch_size) == pytest.approx(rung.lr, rel=5e-3)
+    with pytest.raises(ValueError):
+        scaled_lr(0.0, 16, 32)
+
+
+def test_choice_args_train_with_the_choice():
+    base = ["--config", "tiny", "--lr", "1e-3", "--local_batch_size", "4"]
+    args = choice_args(Trial(32, 64), base, lr=1e-3, base_global=8)
+    assert args[:len(base)] == base
+    cfg = cli_config(args, "tiny")  # the real parser: the appended keys win
+    assert cfg.optim.local_batch_size == 32 and cfg.optim.lr == pytest.approx(1e-3 * math.sqrt(8), rel=1e-5)
+    same = choice_args(Trial(8, 16), base, lr=1e-3, base_global=16)
+    assert same == base + ["--local_batch_size", "8"]  # same global batch: the lr is left alone
+
+
+def test_report_table_json_and_png(tmp_path):
+    trials = search(Fake(), WORLD)
+    table = report_table(trials).splitlines()
+    assert table[0].split() == ["local", "global", "samples/s", "MFU", "step", "s", "alloc", "GiB", "reserved",
+                                "GiB", "frag", "GiB", "retries", "OOM", "verdict"]
+    rows = [line.split() for line in table[2:]]
+    assert [int(r[0]) for r in rows] == sorted(batches(trials))
+    assert rows[-1] == ["128", "128", "-", "-", "-", "88.20", "98.00", "4.90", "0", "1", "OOM"]
+    assert rows[-2][-3:] == ["3", "0", "retries"] and rows[0][3] == "6.7%"
+
+    choices = choose(trials)
+    args = {name: choice_args(t, ["--config", "short"], 5e-4, 16) for name, t in choices.items()}
+    save_json(tmp_path / "out" / "tune.json", trials, choices, args)
+    data = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert set(data) == {"trials", "choice"} and set(data["choice"]) == set(OBJECTIVES)
+    assert [t["local_batch_size"] for t in data["trials"]] == batches(trials)
+    for name in OBJECTIVES:
+        assert data["choice"][name]["local_batch_size"] == choices[name].local_batch_size
+        assert data["choice"][name]["samples_per_s"] == choices[name].samples_per_s
+        assert data["choice"][name]["args"] == args[name]
+    save_json(tmp_path / "none.json", trials, {}, {})
+    assert json.loads((tmp_path / "none.json").read_text())["choice"] == {name: None for name in OBJECTIVES}
+
+    fig = plot(tmp_path / "tune.png", trials)
+    assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    labels = {text.get_text() for text in fig.axes[0].get_legend().get_texts()}
+    assert {"samples/s", "peak reserved", "peak allocated", "allocator retries", "OOM"} <= labels
+
+
+def _two_ranks(rank: int, world_size: int, out: str) -> None:
+    world = World(LaunchEnv(rank=rank, world_size=world_size), torch.device("cpu"))
+    # rank 1 holds 10 GiB more and is slower: it retries from 88 where rank 0 is clean, and sets the pace
+    mismatch = search(Fake(base_gib=2.0 + 10.0 * rank, rate=200.0 - 50.0 * rank, dp=2), world)
+
+    def fails_on_rank_1(batch):
+        trial = Fake(dp=2)(batch)
+        return replace(trial, error="boom") if rank == 1 and batch == 32 else trial
+
+    erring = search(fails_on_rank_1, world)
+    now = [0.0]
+
+    def slow_on_rank_0(batch):  # only rank 0's clock moves: only rank 0 sees the deadline come
+        now[0] += 10.0 if rank == 0 else 0.0
+        return Fake(dp=2)(batch)
+
+    late = search(slow_on_rank_0, world, deadline=35.0, clock=lambda: now[0])
+    result = {name: [t.to_dict() for t in trials] for name, trials in
+              (("mismatch", mismatch), ("erring", erring), ("late", late))}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.timeout(120)  # a rank left waiting in a collective fails the test instead of hanging it
+def test_two_ranks_agree_on_every_verdict(tmp_path):
+    run_distributed(_two_ranks, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    mismatch = {t["local_batch_size"]: t for t in ranks[0]["mismatch"]}
+    assert max(b for b, t in mismatch.items() if t["clean"]) == 80  # rank 1's boundary, not rank 0's 88
+    assert mismatch[88]["verdict"] == "retries"  # rank 0 ran 88 clean and still records rank 1's retries
+    rank0, rank1 = Fake(dp=2)(64), Fake(base_gib=12.0, rate=150.0, dp=2)(64)
+    assert mismatch[64]["samples_per_s"] == rank1.samples_per_s < rank0.samples_per_s  # the slowest rank
+    assert mismatch[64]["step_time_s"] == rank1.step_time_s
+    assert mismatch[64]["peak_reserved_bytes"] == rank1.peak_reserved_bytes  # the fullest rank
+    erring = {t["local_batch_size"]: t for t in ranks[0]["erring"]}
+    assert erring[32]["error"] == "rank 1: boom" and erring[32]["verdict"] == "error"
+    assert [t["local_batch_size"] for t in ranks[0]["late"]] == [8, 16, 32]
