@@ -1,12 +1,23 @@
-"""GPU-only checks (skipped without CUDA): the prefetching loader and the DALI GPU pipeline equal the CPU path."""
+"""GPU-only checks (skipped without CUDA): the prefetching loader and the DALI GPU pipeline equal the CPU path;
+the checkpoint's page-locked host buffers; the memory profiling window's allocator snapshots (loaded by
+PyTorch's own tools), CUDA statistics and FSDP2 memory tracker."""
 
 from __future__ import annotations
 
+import json
+import pickle
+
 import pytest
 import torch
+from ruamel.yaml import YAML
+from torch.cuda import _memory_viz
 
+from distributed.env import LaunchEnv, World
+from distributed.host_staging import HostStager, register_pinned_memory
 from utils.config import load_config
 from utils.data_loader import build_data
+from utils.memory_profile import MemoryProfiler
+from utils.schema import MemoryConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -130,3 +141,95 @@ def test_fsdp_cpu_offload_trains_on_two_gpus(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(next(tmp_path.glob("tiny/2GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
     assert record["loss/train"] == record["loss/train"] and record["memory/peak_allocated"] > 0
+
+
+def test_checkpoint_host_buffers_are_page_locked_and_hold_the_state():
+    register_pinned_memory()
+    stager = HostStager(torch.device("cuda", torch.cuda.current_device()))
+    state = {"w": torch.randn(1000, 1000, device="cuda"), "moments": [torch.randn(3, device="cuda"),
+                                                                      torch.tensor(2.0, device="cuda")]}
+    stager.prepare(state)  # in the background, as the trainer does after its first step
+    staged = stager.stage(state)
+    assert staged["w"].is_pinned() and staged["moments"][1].is_pinned()
+    assert torch.equal(staged["w"], state["w"].cpu()) and torch.equal(staged["moments"][0], state["moments"][0].cpu())
+    state["w"].add_(1)
+    assert torch.equal(stager.stage(state)["w"], state["w"].cpu())
+    stager.close()
+
+
+def tiny_vit() -> torch.nn.Module:
+    from networks.vit import VisionTransformer
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=(8, 16), patch_size=4, in_chans=2, out_chans=2, embed_dim=16, depth=2,
+                             num_heads=2).cuda()
+
+
+def profile(tmp_path, model, stacks: str = "python", steps: int = 3) -> dict:
+    world = World(LaunchEnv(), torch.device("cuda", torch.cuda.current_device()))
+    optimizer = torch.optim.Adam(model.parameters())
+    cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=2,
+                       memory_profile_stacks=stacks, memory_profile_depth=3)
+    profiler = MemoryProfiler(cfg, tmp_path, world, model, optimizer, 3)
+    try:
+        for step in range(steps):
+            with profiler.step(0, step):
+                for _ in range(2):
+                    x = torch.randn(3, 2, 8, 16, device="cuda")
+                    (model(x) - x).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    finally:
+        profiler.close()
+    return json.loads((tmp_path / "rank0" / "summary.json").read_text())
+
+
+def test_snapshots_load_with_pytorch_tools_and_stats_have_cuda_keys(tmp_path):
+    summary = profile(tmp_path, tiny_vit())
+    names = summary["files"]["snapshots"]
+    assert names == [f"snapshot_e0_s{s}_{w}.pickle" for s in (1, 2) for w in ("start", "end")]
+    for name in names:
+        with open(tmp_path / "rank0" / name, "rb") as f:
+            snapshot = pickle.load(f)
+        assert "segments" in snapshot and _memory_viz.segsum(snapshot)
+        assert "<html" in _memory_viz.trace_plot(snapshot).lower()
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    assert any(e["action"] == "alloc" and e["frames"] for e in events)  # history with Python stacks
+    assert {"peak_allocated_bytes", "peak_reserved_bytes"} <= summary.keys() and "peak_rss_bytes" not in summary
+    assert summary["peak_allocated_bytes"] > summary["parameter_bytes"] > 0
+    stats = YAML(typ="safe").load((tmp_path / "rank0" / "memory_stats.yaml").read_text())
+    first = stats[0]
+    assert first["start"]["allocated_bytes.all.current"] > 0
+    assert (first["end_minus_start"]["num_alloc_retries"]
+            == first["end"]["num_alloc_retries"] - first["start"]["num_alloc_retries"])
+
+
+def test_history_is_recorded_only_in_the_window_and_without_stacks_on_request(tmp_path):
+    profile(tmp_path, tiny_vit(), stacks="none")
+    with open(tmp_path / "rank0" / "snapshot_e0_s2_end.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    assert events and not any(e.get("frames") for e in events)  # context=None: no frames
+    before = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
+    torch.empty(1 << 20, device="cuda")  # after the window: not recorded
+    assert sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"]) <= before
+
+
+def test_fsdp_memory_tracker_on_a_gpu(tmp_path):
+    """FSDP2 over one GPU (a single-rank NCCL group): the module table comes from FSDPMemTracker."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_vit()
+        mesh = init_device_mesh("cuda", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        summary = profile(tmp_path, model)
+    finally:
+        dist.destroy_process_group()
+    header = (tmp_path / "rank0" / "module_table.txt").read_text().splitlines()[0]
+    assert "All Gather" in header and "Sharded Param" in header
+    assert summary["parameter_bytes"] == sum(p.to_local().numel() for p in model.parameters()) * 4

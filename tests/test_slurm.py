@@ -203,8 +203,10 @@ STUB_TRAINER = r"""#!/bin/bash
 echo "stub rank ${SLURM_PROCID} restart ${SLURM_RESTART_COUNT:-0}"
 if [[ ${SLURM_RESTART_COUNT:-0} != 0 ]]; then exit 0; fi
 if [[ -n "${STUB_FIRST_EXIT:-}" ]]; then exit "${STUB_FIRST_EXIT}"; fi
-trap 'echo "stub rank ${SLURM_PROCID}: signal"; kill "$sleeper" 2>/dev/null; exit 75' USR1 TERM
-sleep 120 &
+trap 'echo "stub rank ${SLURM_PROCID}: signal"; kill -KILL "$sleeper" 2>/dev/null; exit 75' USR1 TERM
+# the step's signals reach every process of the task: the sleeper ignores them, else it could die and
+# end the wait before this shell runs its trap
+(trap '' USR1 TERM; exec sleep 120) &
 sleeper=$!
 touch "${STUB_DIR}/ready.${SLURM_PROCID}"
 wait "$sleeper"
