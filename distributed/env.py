@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.rendezvous import FailureChannel, finish, rendezvous
-from utils.errors import NothingToDo, Preempted, UserError
+from utils.errors import NothingToDo, Preempted, UserError, failure_status
 from utils.schema import ParallelConfig, data_parallel_size
 
 
@@ -272,7 +272,8 @@ def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
         raise
     except BaseException as exc:
         if world.channel is not None:
-            world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
+            world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
+                                 failure_status(exc))
         raise
     _finish(world, parallel)
 

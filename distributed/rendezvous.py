@@ -166,7 +166,7 @@ class FailureChannel:
 
     :meth:`report` publishes this rank's error (the first report in the job wins); a daemon
     watchdog on every other rank sees it within ``poll_s``, prints
-    ``error: <message> (on rank R; stopping rank r)`` and exits with status 2 from its thread,
+    ``error: <message> (on rank R; stopping rank r)`` and exits with the reporter's status from its thread,
     since the main thread may be blocked in a gloo/NCCL collective. Every rank seeing the failure
     acknowledges it, and no rank leaves before all have (or ``4 * poll_s + 1`` s passed): an early
     exit would close sockets under the others' collectives (a second, misleading error) or, on
@@ -197,6 +197,7 @@ class FailureChannel:
         self._heard: dict[int, tuple[bytes, float]] = {}  # rank 0: rank -> (last beat, when it changed)
         self._lock = threading.Lock()
         self._speaker: str | None = None  # "report" or "watchdog": who prints this rank's one line
+        self._status = 2  # the exit status of the failure the watchdog stops this rank for
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="failure-watchdog", daemon=True)
 
@@ -209,24 +210,25 @@ class FailureChannel:
         """Record the iteration this rank is at; heartbeats and failure lines name it."""
         self._step = step
 
-    def report(self, message: str) -> None:
-        """Publish this rank's failure and give the other ranks a moment to see it; never raises.
+    def report(self, message: str, status: int = 2) -> None:
+        """Publish this rank's failure, and the exit status every rank then gives (``status``), and give
+        the other ranks a moment to see it; never raises.
 
         Prints nothing: the caller prints its own ``error:`` line after this returns. If another
         rank's failure was published first, this rank acknowledges that one instead. If the
         watchdog is already stopping this rank for another rank's failure, this does not return:
-        the process exits (status 2) with the watchdog's line as its only one.
+        the process exits (with that failure's status) with the watchdog's line as its only one.
         """
         with self._lock:
             speaker = self._speaker
             self._speaker = speaker or "report"
         if speaker == "watchdog":
             time.sleep(self._ack_wait_s + 2)  # the watchdog exits within _leave()
-            os._exit(2)
+            os._exit(self._status)
         if speaker == "report":
             return
         self.close()  # its next poll could hit a store that rank 0 already took down
-        payload = f"{self._rank}\n{message}"
+        payload = f"{self._rank}\n{status}\n{message}"
         try:
             if self._store.compare_set(_FAILURE, "", payload) != payload.encode():
                 self._store.add(_ACKS, 1)
@@ -258,18 +260,19 @@ class FailureChannel:
                                f"stopped or killed); stopping rank {self._rank}", acknowledge=False)
                 continue
             if failure is not None:
-                rank, message = failure
+                rank, status, message = failure
                 first_line = (message.strip().splitlines() or ["(no message)"])[0]
-                self._stop(f"{first_line} (on rank {rank}; stopping rank {self._rank})", acknowledge=True)
+                self._stop(f"{first_line} (on rank {rank}; stopping rank {self._rank})", acknowledge=True,
+                           status=status)
             elif silent:
                 self._publish_silence(silent)
 
-    def _read_failure(self) -> tuple[str, str] | None:
-        """``(rank, message)`` of the published failure, or None."""
+    def _read_failure(self) -> tuple[str, int, str] | None:
+        """``(rank, exit status, message)`` of the published failure, or None."""
         if not self._store.check([_FAILURE]):
             return None
-        rank, _, message = self._store.get(_FAILURE).decode().partition("\n")
-        return rank, message
+        rank, status, message = self._store.get(_FAILURE).decode().split("\n", 2)
+        return rank, int(status), message
 
     def _heartbeat(self) -> list[int]:
         """Beat; on rank 0 with ``silence_s``, also return the ranks that stopped beating."""
@@ -304,19 +307,19 @@ class FailureChannel:
                    f"{self._silence_s:g} s; the process is stopped, hung or its node is gone: stopping every rank "
                    "(--collective_timeout_s sets the limit)")
         try:
-            self._store.compare_set(_FAILURE, "", f"{self._rank}\n{message}")
+            self._store.compare_set(_FAILURE, "", f"{self._rank}\n2\n{message}")
         except dist.DistError:
             pass
         self._stop(message, acknowledge=False, leave=True)
 
-    def _stop(self, line: str, acknowledge: bool, leave: bool = False) -> None:
-        """Print ``error: <line>`` and exit with status 2, unless this rank's main thread is
+    def _stop(self, line: str, acknowledge: bool, leave: bool = False, status: int = 2) -> None:
+        """Print ``error: <line>`` and exit with ``status``, unless this rank's main thread is
         reporting its own error (then it speaks for the rank and this returns). ``acknowledge``:
         count this rank as having seen another's failure; it and ``leave`` wait for the others."""
         with self._lock:
             if self._speaker is not None:
                 return
-            self._speaker = "watchdog"
+            self._speaker, self._status = "watchdog", status
         if acknowledge:
             try:
                 self._store.add(_ACKS, 1)
@@ -329,7 +332,7 @@ class FailureChannel:
                 self._leave()
             except dist.DistError:
                 pass
-        os._exit(2)
+        os._exit(status)
 
     def _leave(self) -> None:
         """Wait (bounded) until every rank but the reporter has seen the failure, then leave the

@@ -19,11 +19,13 @@ RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--lim
 
 
 def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
-              **env: str) -> list[subprocess.Popen]:
+              entry: list[str] | None = None, **env: str) -> list[subprocess.Popen]:
     """Start ``train.py RUN + args`` on ``ranks`` processes (RANK/WORLD_SIZE variables), writing runs
     under ``workdir/runs``. ``signal_at``: each process signals itself after that optimizer step
-    (``tests/kill_at_step.py``; SIGKILL unless ``KILL_SIGNAL`` in ``env`` names another)."""
-    entry = [str(ROOT / "tests" / "kill_at_step.py"), str(signal_at)] if signal_at else [str(ROOT / "train.py")]
+    (``tests/kill_at_step.py``; SIGKILL unless ``KILL_SIGNAL`` in ``env`` names another). ``entry``:
+    another script (and its own arguments) in place of ``train.py``."""
+    if entry is None:
+        entry = [str(ROOT / "tests" / "kill_at_step.py"), str(signal_at)] if signal_at else [str(ROOT / "train.py")]
     launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                                     "MASTER_PORT": str(free_port())}
     workdir.mkdir(exist_ok=True)
@@ -35,9 +37,9 @@ def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at:
 
 
 def run_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
-            **env: str) -> list[tuple[int, str, str]]:
+            entry: list[str] | None = None, **env: str) -> list[tuple[int, str, str]]:
     """:func:`start_job` and wait: ``(exit status, stdout, stderr)`` of every rank."""
-    procs = start_job(workdir, data, args, ranks, signal_at, **env)
+    procs = start_job(workdir, data, args, ranks, signal_at, entry, **env)
     outputs = [p.communicate(timeout=300) for p in procs]
     return [(p.returncode, *out) for p, out in zip(procs, outputs)]
 

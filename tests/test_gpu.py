@@ -168,7 +168,7 @@ def profile(tmp_path, model, stacks: str = "python", steps: int = 3) -> dict:
     world = World(LaunchEnv(), torch.device("cuda", torch.cuda.current_device()))
     optimizer = torch.optim.Adam(model.parameters())
     cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=2,
-                       memory_profile_stacks=stacks, memory_profile_depth=3)
+                       memory_profile_stacks=stacks, memory_profile_depth=3, memory_snapshot_on_oom=False)
     profiler = MemoryProfiler(cfg, tmp_path, world, model, optimizer, 3)
     try:
         for step in range(steps):

@@ -7,18 +7,50 @@ import logging
 import torch
 
 from tests.dist_utils import run_distributed
-from utils.memory import MemoryTracker, format_memory
+from utils.memory import NO_RETRY, MemoryTracker, format_memory
 from utils.profiling import ProfilerWindow
 
 
 def test_memory_line_warns_with_remedies_when_allocator_retried():
     stats = {"peak_allocated": 60.0, "peak_reserved": 75.5, "peak_active": 61.0, "alloc_retries": 3, "ooms": 0,
+             "peak_inactive_split": 1.25, "reserved_minus_allocated": 15.5, "first_retry_step": 7,
              "peak_allocated_rank": 1, "peak_reserved_rank": 2, "peak_active_rank": 1, "alloc_retries_rank": 2,
              "ooms_rank": 0}
     line = format_memory(stats)
-    assert "reserved 75.50 GiB (rank 2)" in line and "cudaMalloc retries 3 (rank 2)" in line
+    assert "reserved 75.50 GiB (rank 2)" in line and "cudaMalloc retries 3 (rank 2, first after step 7)" in line
+    assert "inactive split 1.25 GiB, reserved - allocated 15.50 GiB" in line
     assert "WARNING" in line and "--local_batch_size" in line and "expandable_segments" in line
-    assert "WARNING" not in format_memory({**stats, "alloc_retries": 0})
+    quiet = format_memory({**stats, "alloc_retries": 0, "first_retry_step": NO_RETRY})
+    assert "WARNING" not in quiet and "first after" not in quiet
+
+
+def _fragmentation_over_ranks(rank: int, world_size: int) -> None:
+    """CUDA's allocator statistics, faked per rank: maxima over ranks, the earliest first retry."""
+    tracker = MemoryTracker(torch.device("cpu"))
+    tracker.cuda = True
+    retries = {"num_alloc_retries": 0}
+    stats = lambda device=None: {"allocated_bytes.all.peak": (4 + rank) * 2**30,  # noqa: E731
+                                 "reserved_bytes.all.peak": 8 * 2**30, "inactive_split_bytes.all.peak": rank * 2**29,
+                                 **retries}
+    monkeypatch_cuda(stats)
+    tracker.start_epoch()
+    for step in range(6):
+        if step == 4 - 2 * rank:  # rank 1 retries first, after step 2
+            retries["num_alloc_retries"] = 1
+        tracker.step_end(step)
+    report = tracker.end_epoch()
+    assert report["first_retry_step"] == 2 and report["alloc_retries"] == 1
+    assert report["peak_inactive_split"] == 0.5 and report["peak_inactive_split_rank"] == 1
+    assert report["reserved_minus_allocated"] == 4.0 and report["reserved_minus_allocated_rank"] == 0
+
+
+def monkeypatch_cuda(stats) -> None:
+    torch.cuda.memory_stats = stats
+    torch.cuda.reset_peak_memory_stats = lambda device=None: None
+
+
+def test_fragmentation_and_first_retry_step_over_ranks():
+    run_distributed(_fragmentation_over_ranks, 2)
 
 
 def _memory_max_over_ranks(rank: int, world_size: int) -> None:

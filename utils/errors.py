@@ -20,6 +20,22 @@ class NonFiniteError(UserError):
 EXIT_PREEMPTED = 75
 
 
+# Exit status of a run stopped because a GPU ran out of memory (every rank: see OutOfMemory), so
+# scripts can tell it from other errors (2) and retry with a smaller batch.
+EXIT_OUT_OF_MEMORY = 3
+
+
+class OutOfMemory(UserError):
+    """A device ran out of memory: the message names the rank, phase, batch, figures and remedies;
+    exit EXIT_OUT_OF_MEMORY."""
+
+
+def failure_status(exc: BaseException) -> int:
+    """The exit status a rank's failure ``exc`` gives every rank of the job: :data:`EXIT_OUT_OF_MEMORY`
+    for :class:`OutOfMemory`, else 2."""
+    return EXIT_OUT_OF_MEMORY if isinstance(exc, OutOfMemory) else 2
+
+
 class Preempted(Exception):
     """The run stopped on a signal after checkpointing: the message is printed, exit EXIT_PREEMPTED."""
 
@@ -27,8 +43,8 @@ class Preempted(Exception):
 def exit_status(main, *args, **kwargs) -> int:
     """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0 (also after
     :class:`NothingToDo`, whose message goes to stdout), :data:`EXIT_PREEMPTED` after
-    :class:`Preempted` (message to stdout), or 2 with ``error: <message>`` on stderr (no
-    traceback) for a :class:`UserError`."""
+    :class:`Preempted` (message to stdout), or :func:`failure_status` (2, or :data:`EXIT_OUT_OF_MEMORY`)
+    with ``error: <message>`` on stderr (no traceback) for a :class:`UserError`."""
     import sys
     try:
         main(*args, **kwargs)
@@ -42,7 +58,7 @@ def exit_status(main, *args, **kwargs) -> int:
         return EXIT_PREEMPTED
     except UserError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)  # always one line
-        return 2
+        return failure_status(exc)
 
 
 def free_space(directory) -> str:

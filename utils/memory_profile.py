@@ -52,6 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from distributed.env import World, all_reduce
 from utils.errors import UserError
+from utils.memory import record_history, snapshot_on_oom
 from utils.schema import MemoryConfig
 
 log = logging.getLogger(__name__)
@@ -345,12 +346,15 @@ class MemoryProfiler:
     def close(self) -> None:
         """Stop the allocator history if the window left it recording (after an error in a step; a step's
         hooks and tracker are released by the step itself). Never raises; not collective."""
-        if not self.recording:
-            return
         try:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            self._stop_history()
         except Exception as exc:  # closing after a failure must not raise over it
             log.warning("memory profile: could not stop the allocator history: %s", exc)
+
+    def _stop_history(self) -> None:
+        """End the window's history, unless the OOM snapshot wants it recorded for the whole run."""
+        if self.recording and not snapshot_on_oom(self.cfg):
+            torch.cuda.memory._record_memory_history(enabled=None)
         self.recording = False
 
     @contextlib.contextmanager
@@ -388,11 +392,7 @@ class MemoryProfiler:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.counter = ActivationCounter(self.model)
         if self.cuda:
-            stacks = self.cfg.memory_profile_stacks  # context None: no stack traces at all
-            torch.cuda.memory._record_memory_history(
-                enabled="all", context=None if stacks == "none" else "all",
-                stacks="python" if stacks == "none" else stacks,
-                max_entries=self.cfg.memory_profile_max_entries, clear_history=True)
+            record_history(self.cfg, clear=True)
             self.recording = True
         if self.world.is_main:
             log.info("memory profile: window opens at epoch %d step %d; files in %s", epoch, step,
@@ -417,9 +417,7 @@ class MemoryProfiler:
 
     def _finish(self) -> None:
         self.done = True
-        if self.recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self.recording = False
+        self._stop_history()
         rows = self.table.rows(self.cfg.memory_profile_depth)
         (self.directory / TABLE_FILE).write_text(format_table(rows))
         (self.directory / TABLE_JSON_FILE).write_text(json.dumps(rows, indent=1))

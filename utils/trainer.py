@@ -35,7 +35,7 @@ from utils.data_loader import Data, build_data
 from utils.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preempted, UserError
 from utils.flops import peak_flops, vit_flops_per_sample
 from utils.logging_utils import setup_logging
-from utils.memory import MemoryTracker
+from utils.memory import MemoryTracker, OutOfMemoryHandler
 from utils.memory_profile import MemoryProfiler
 from utils.evaluation import Evaluator, nonfinite_samples
 from utils.metrics import relative_l2_loss
@@ -121,6 +121,8 @@ class Trainer:
             print(f"rank {world.rank}/{world.world_size} on {self.device} ready", flush=True)
         self.reporter = Reporter(cfg.logging, self.run_dir if world.is_main else None,
                                  self.evaluator.key_channels)
+        # first, so the allocator history an OOM snapshot holds covers the model's construction
+        self.oom = OutOfMemoryHandler(cfg.memory, self.run_dir / "memory", world.rank, self.device, self.local_bs)
         self._build_model()
         self.memory = MemoryTracker(self.device)
         self.memory_profile = MemoryProfiler(cfg.memory, self.run_dir / "memory", world, self.model, self.optimizer,
@@ -231,6 +233,7 @@ class Trainer:
         if error is None:
             self.checkpoint.close()
         self.memory_profile.close()
+        self.oom.close()
         self.data.close()
         self.reporter.close(error)
 
@@ -288,6 +291,7 @@ class Trainer:
             pending = check
             self.state.step += 1
             self.state.epoch_step += 1
+            self.memory.step_end(step)
             if step == start:  # Adam's state exists now: the checkpoint's host buffers are allocated meanwhile
                 self.checkpoint.prepare()
             self._progress_update(bar, step, end, epoch)
@@ -338,12 +342,12 @@ class Trainer:
             indices.append(idx)
             last = micro == self.accum - 1
             with gradient_sync(self.model, last):
-                with nvtx_range("forward"), self.autocast():
+                with nvtx_range("forward"), self.oom.phase("forward"), self.autocast():
                     loss = self.loss_fn(self.model(inp), tar) / self.accum
-                with nvtx_range("backward"):
+                with nvtx_range("backward"), self.oom.phase("backward"):
                     self.scaler.scale(loss).backward()
             loss_total += loss.detach()
-        with nvtx_range("optimizer"):
+        with nvtx_range("optimizer"), self.oom.phase("optimizer step"):
             self._optimizer_step()
         return {"loss": loss_total, "indices": indices, "step": self.state.step, **self._queue_readback(loss_total)}
 
@@ -400,7 +404,8 @@ class Trainer:
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict:
         """The validation scores (:class:`utils.evaluation.Evaluator`); the figure goes to TensorBoard."""
-        record, figure = self.evaluator.evaluate(self.model, self.autocast)
+        with self.oom.phase("validation"):
+            record, figure = self.evaluator.evaluate(self.model, self.autocast)
         if figure is not None:
             self.reporter.figure(f"prediction({self.evaluator.plot_channel})/valid", figure, self.state.step)
         return record
