@@ -233,3 +233,22 @@ def test_fsdp_memory_tracker_on_a_gpu(tmp_path):
     header = (tmp_path / "rank0" / "module_table.txt").read_text().splitlines()[0]
     assert "All Gather" in header and "Sharded Param" in header
     assert summary["parameter_bytes"] == sum(p.to_local().numel() for p in model.parameters()) * 4
+
+
+def test_a_real_oom_gives_the_one_line_error_and_a_snapshot_that_loads(tmp_path):
+    from utils.errors import OutOfMemory
+    from utils.memory import OutOfMemoryHandler
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    handler = OutOfMemoryHandler(MemoryConfig(memory_snapshot_on_oom=True), tmp_path, 0, device, 8)
+    try:
+        with pytest.raises(OutOfMemory) as caught, handler.phase("backward"):
+            torch.empty(torch.cuda.get_device_properties(device).total_memory * 2, dtype=torch.uint8, device=device)
+    finally:
+        handler.close()
+    message = str(caught.value)
+    assert message.startswith(f"rank 0 ran out of {device} memory in backward at local batch 8 trying to allocate")
+    assert "GiB free of" in message and "oom_snapshot.pickle" in message and "\n" not in message
+    with open(tmp_path / "rank0" / "oom_snapshot.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    assert any(e["action"] == "oom" for trace in snapshot["device_traces"] for e in trace)
