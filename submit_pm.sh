@@ -16,8 +16,10 @@
 #   sbatch submit_pm.sh --config=short
 #   sbatch -N 4 submit_pm.sh --config=bs64_opt
 #   ENABLE_PROFILING=1 PROFILE_OUTPUT=bs64 sbatch submit_pm.sh --config=bs64_opt
+#   sbatch submit_pm.sh --tune --config=short     the batch-size tuner (tools/tune_batch_size.py)
+#                                                 instead of train.py, on the same layout
 #
-# Every argument after the script name goes to train.py, AFTER the defaults
+# Every argument after the script name (and after --tune) goes to train.py, AFTER the defaults
 # `--data_path "$DATA_DIR" --expdir "$LOG_DIR"`, so e.g. `--data_path /x` wins.
 #
 # Site settings are not hard-wired; set them in the environment of `sbatch`:
@@ -179,7 +181,12 @@ if [[ "${ENABLE_PROFILING:-0}" == 1 ]]; then
     fi
 fi
 
-cmd=("${PYTHON:-python}" train.py --data_path "${DATA_DIR}" --expdir "${LOG_DIR}" "$@")
+entry=(train.py)
+if [[ "${1:-}" == "--tune" ]]; then
+    shift
+    entry=(-m tools.tune_batch_size)
+fi
+cmd=("${PYTHON:-python}" "${entry[@]}" --data_path "${DATA_DIR}" --expdir "${LOG_DIR}" "$@")
 
 echo "job ${SLURM_JOB_ID:-none}: ${SLURM_JOB_NUM_NODES:-1} node(s) [${SLURM_JOB_NODELIST:-$(hostname)}], ${SLURM_NTASKS:-?} task(s), restart ${SLURM_RESTART_COUNT:-0}"
 echo "repo=${REPO_DIR} data=${DATA_DIR} logs=${LOG_DIR} MASTER_ADDR=${MASTER_ADDR} MASTER_PORT=${MASTER_PORT}"

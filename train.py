@@ -40,13 +40,14 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") 
     return 0
 
 
-def cli(default_config: str = "tiny") -> int:
-    """Run :func:`main` on ``sys.argv``: exit status 0, 2 with one line for expected errors, 130 when
-    interrupted, 1 with a traceback for a bug. A failed rank of a multi-process job exits at once,
-    without tearing down a process group whose peers may be gone."""
-    prog = Path(sys.argv[0]).name
+def cli(default_config: str = "tiny", entry=main, prog: str | None = None) -> int:
+    """Run ``entry`` (:func:`main`, or another entry point of the same signature) on ``sys.argv``: exit
+    status 0, 2 with one line for expected errors, 130 when interrupted, 1 with a traceback for a bug.
+    A failed rank of a multi-process job exits at once, without tearing down a process group whose
+    peers may be gone."""
+    prog = prog or Path(sys.argv[0]).name
     try:
-        status = exit_status(main, sys.argv[1:], default_config, prog)
+        status = exit_status(entry, sys.argv[1:], default_config, prog)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         status = 130

@@ -319,10 +319,10 @@ def test_to_yaml_round_trip(name, tmp_path):
 
 # ---------------------------------------------------------------- batch_sizes and lr_lambda
 @pytest.fixture(scope="module")
-def trainer_mod():
-    from utils import trainer
+def train_step_mod():
+    from utils import train_step
 
-    return trainer
+    return train_step
 
 
 @pytest.mark.parametrize("overrides,dp,want", [
@@ -354,8 +354,8 @@ def test_batch_sizes_rejects_zero_accumulation():
         load_cfg(grad_accum_steps="0")
 
 
-def test_lr_warmup_then_cosine(trainer_mod):
-    f = trainer_mod.lr_lambda(load_cfg(warmup="10", num_iters="110", lr_schedule="cosine").optim)
+def test_lr_warmup_then_cosine(train_step_mod):
+    f = train_step_mod.lr_lambda(load_cfg(warmup="10", num_iters="110", lr_schedule="cosine").optim)
     # linear warmup reaching 1 at the end of warmup
     assert [f(s) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
     assert f(10) == pytest.approx(1.0)
@@ -368,23 +368,23 @@ def test_lr_warmup_then_cosine(trainer_mod):
     assert f(500) == pytest.approx(0.0, abs=1e-12)  # stays at 0 past the end
 
 
-def test_lr_cosine_without_warmup(trainer_mod):
-    f = trainer_mod.lr_lambda(load_cfg(num_iters="100").optim)
+def test_lr_cosine_without_warmup(train_step_mod):
+    f = train_step_mod.lr_lambda(load_cfg(num_iters="100").optim)
     assert f(0) == pytest.approx(1.0)
     assert f(50) == pytest.approx(0.5)
     assert f(100) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_lr_constant(trainer_mod):
-    f = trainer_mod.lr_lambda(load_cfg(lr_schedule="constant", warmup="4", num_iters="100").optim)
+def test_lr_constant(train_step_mod):
+    f = train_step_mod.lr_lambda(load_cfg(lr_schedule="constant", warmup="4", num_iters="100").optim)
     assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
     assert all(f(s) == 1.0 for s in (4, 50, 99, 100, 1000))
 
 
-def test_lr_lambda_drives_lambda_lr(trainer_mod):
+def test_lr_lambda_drives_lambda_lr(train_step_mod):
     p = load_cfg(warmup="2", num_iters="10", lr="1e-2").optim
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, trainer_mod.lr_lambda(p))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, train_step_mod.lr_lambda(p))
     lrs = []
     for _ in range(10):
         lrs.append(opt.param_groups[0]["lr"])
@@ -494,13 +494,13 @@ def test_help_lists_every_key_by_section_within_80_columns():
     for name, spec in KEYS.items():
         assert f"--{name} " in text, name
     assert "--amp_mode {none,fp16,bf16}  (default none)" in text
-    assert "--local_batch_size INT or null  (default null)" in text
+    assert "--local_batch_size INT or {auto} or null  (default null)" in text
 
 
 def test_help_for_one_key():
     text = key_help("local_batch_size")
-    assert text.splitlines()[0] == "--local_batch_size INT or null"
-    assert "section: optimization" in text and "default: null" in text and "allowed: >= 1" in text
+    assert text.splitlines()[0] == "--local_batch_size INT or {auto} or null"
+    assert "section: optimization" in text and "default: null" in text and "allowed: >= 1 or auto" in text
     assert all(len(line) <= 80 for line in text.splitlines())
     backend = key_help("attention_backend")
     assert "set by named configs:" in backend and "short_opt cudnn" in backend

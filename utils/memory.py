@@ -129,15 +129,43 @@ def format_memory(m: dict[str, float]) -> str:
             + f"), OOMs {m['ooms']}")
     if m["alloc_retries"] > 0:
         line += ("\nWARNING: cudaMalloc retries this epoch: the allocator is flushing its cache and "
-                 "synchronizing. Lower --local_batch_size, enable --activation_checkpointing, use "
+                 "synchronizing. Lower --local_batch_size (python -m tools.tune_batch_size finds the fastest batch "
+                 "without retries), enable --activation_checkpointing, use "
                  "--fsdp zero3 / lower --fsdp_prefetch, or set "
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     return line
 
 
+# ---------------------------------------------------------------- host memory
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS; False where the kernel does not
+    allow it (not Linux, or ``/proc/self/clear_refs`` not writable), so the peak stays cumulative.
+    Linux's ``clear_refs`` value 5 (https://docs.kernel.org/filesystems/proc.html)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes since the start or :func:`reset_peak_rss`
+    (``VmHWM`` of ``/proc/self/status``; ``ru_maxrss``, never reset, where that is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            found = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1)) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 # ---------------------------------------------------------------- out of memory
 # what a user can change, in the order worth trying (the one place the OOM line and the docs take them from)
-OOM_REMEDIES = ("lower --local_batch_size (raise --grad_accum_steps to keep the global batch)",
+OOM_REMEDIES = ("lower --local_batch_size (raise --grad_accum_steps to keep the global batch), or find the best "
+                "clean one with python -m tools.tune_batch_size (or --local_batch_size auto)",
                 "--activation_checkpointing full (or selective --ac_blocks N)", "--fsdp zero3",
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)")
 OOM_SNAPSHOT = "oom_snapshot.pickle"

@@ -74,18 +74,36 @@ def open_run_dir(logging_cfg: LoggingConfig, resume: str, config_name: str, worl
     parent = run_parent(logging_cfg, config_name, world_size)
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        continued = continued_run(logging_cfg, resume, config_name, world_size, flat_config)
+        if continued is not None:
+            return RunDir(continued, True)
         if logging_cfg.run_num != "auto":
-            path = parent / logging_cfg.run_num
-            return RunDir(path, _continues(path, resume, flat_config, explicit=True)) if _holds_run(path) \
-                else RunDir(_claim(path))
-        newest = _newest_run(parent)
-        if resume == "auto" and newest is not None and _same_run(newest, flat_config):
-            if _continues(newest, resume, flat_config, explicit=False):
-                return RunDir(newest, True)
+            return RunDir(_claim(parent / logging_cfg.run_num))
         return RunDir(_claim_next(parent))
     except OSError as exc:
         raise UserError(f"cannot create run directory under {parent} ({exc.strerror or exc}); "
                         "pass a writable --expdir") from None
+
+
+def continued_run(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int,
+                  flat_config: dict) -> Path | None:
+    """The run directory this command continues (see :func:`open_run_dir`), or None for a new run.
+    Reads only: creates nothing.
+
+    Raises:
+        NothingToDo, UserError: as :func:`open_run_dir`.
+    """
+    parent = run_parent(logging_cfg, config_name, world_size)
+    if not parent.is_dir():
+        return None
+    if logging_cfg.run_num != "auto":
+        path = parent / logging_cfg.run_num
+        return path if _holds_run(path) and _continues(path, resume, flat_config, explicit=True) else None
+    newest = _newest_run(parent)
+    if resume == "auto" and newest is not None and _same_run(newest, flat_config) and \
+            _continues(newest, resume, flat_config, explicit=False):
+        return newest
+    return None
 
 
 def _holds_run(path: Path) -> bool:

@@ -16,7 +16,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from utils.errors import UserError
 
@@ -39,6 +39,8 @@ NON_NEGATIVE = Check(">= 0", lambda v: v >= 0)
 POSITIVE = Check("> 0", lambda v: v > 0)
 UNIT_INTERVAL = Check("in [0, 1)", lambda v: 0 <= v < 1)
 SEED_RANGE = Check("in [0, 2**32)", lambda v: 0 <= v < 2**32)
+AUTO = "auto"
+BATCH_OR_AUTO = Check(">= 1 or auto", lambda v: v == AUTO or v >= 1)
 
 
 def key(default: Any, doc: str, check: Check | None = None) -> Any:
@@ -80,8 +82,9 @@ class OptimConfig:
     """Batch sizes, optimizer, schedule and seed (``utils/trainer.py``)."""
 
     global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks", AT_LEAST_1)
-    local_batch_size: Optional[int] = key(None, "micro-batch per data-parallel rank; set, it overrides "
-                                          "global_batch_size (null: global / (dp x accumulation))", AT_LEAST_1)
+    local_batch_size: Optional[Union[int, Literal["auto"]]] = key(
+        None, "micro-batch per data-parallel rank; set, it overrides global_batch_size (null: global / (dp x "
+              "accumulation); auto: the batch tuner's max-throughput choice)", BATCH_OR_AUTO)
     grad_accum_steps: int = key(1, "micro-steps per optimizer step (gradients synced on the last)", AT_LEAST_1)
     num_iters: int = key(30000, "optimizer steps in the run", AT_LEAST_1)
     lr: float = key(5.0e-4, "peak learning rate of Adam", POSITIVE)
@@ -186,6 +189,28 @@ class EvaluationConfig:
     plot_channel: Optional[str] = key(None, "channel of the TensorBoard prediction figure (null: first)")
 
 
+@dataclass
+class TuneConfig:
+    """The batch-size tuner (``tools/tune_batch_size.py``; ``train.py --local_batch_size auto``)."""
+
+    out: Optional[str] = key(None, "tuner: JSON of trials and choices, with a PNG beside it (null: "
+                                   "<expdir>/<config>/tune_batch_size.json)")
+    tune_data: Literal["synthetic", "real"] = key("synthetic", "tuner: random batches of the real shape, or the "
+                                                               "configured loader")
+    tune_start: int = key(8, "tuner: first local batch tried (doubled until a trial fails)", AT_LEAST_1)
+    tune_max_batch: int = key(4096, "tuner: largest local batch tried", AT_LEAST_1)
+    resolution: int = key(8, "tuner: the boundary is bisected to multiples of this", AT_LEAST_1)
+    tune_below: int = key(2, "tuner: batches measured under the largest clean one, resolution apart", NON_NEGATIVE)
+    tune_warmup_steps: int = key(3, "tuner: steps run before timing a trial (compilation happens here)", AT_LEAST_1)
+    tune_steps: int = key(5, "tuner: timed steps per trial", AT_LEAST_1)
+    tolerance: float = key(0.02, "tuner: min-batch-at-peak picks the smallest batch within this fraction of the best",
+                           UNIT_INTERVAL)
+    memory_budget_gib: Optional[float] = key(None, "tuner: a trial whose peak reserved memory (CPU: peak RSS) exceeds "
+                                                   "this many GiB fails (null: the device's memory)", POSITIVE)
+    max_minutes: Optional[float] = key(None, "tuner: stop trying batches after this long and report the best so far",
+                                       POSITIVE)
+
+
 SECTIONS: dict[str, tuple[type, str]] = {
     "model": (ModelConfig, "model"),
     "data": (DataConfig, "data"),
@@ -196,6 +221,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "logging": (LoggingConfig, "logging and profiling"),
     "memory": (MemoryConfig, "memory profiling and OOM handling"),
     "evaluation": (EvaluationConfig, "evaluation"),
+    "tune": (TuneConfig, "batch-size tuner"),
 }
 
 
@@ -214,6 +240,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def flat(self) -> dict[str, Any]:
         """Every key with its value, sections in schema order (tuples as lists): YAML, run.json, hparams."""
@@ -264,14 +291,17 @@ def choices(tp: Any) -> tuple | None:
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
     args = typing.get_args(tp)
     if typing.get_origin(tp) is typing.Union and type(None) in args:
-        return next(a for a in args if a is not type(None)), True
+        rest = tuple(a for a in args if a is not type(None))
+        return (rest[0] if len(rest) == 1 else Union[rest]), True
     return tp, False
 
 
 def type_name(tp: Any) -> str:
     """Short type text for help: ``INT``, ``FLOAT or null``, ``[INT,INT]``, ``{a,b}``, ``[STR,...]``."""
     inner, optional = _strip_optional(tp)
-    if typing.get_origin(inner) is Literal:
+    if typing.get_origin(inner) is Union:
+        text = " or ".join(type_name(a) for a in typing.get_args(inner))
+    elif typing.get_origin(inner) is Literal:
         text = "{" + ",".join(map(str, typing.get_args(inner))) + "}"
     elif typing.get_origin(inner) is tuple:
         args = typing.get_args(inner)
@@ -294,6 +324,14 @@ def coerce(raw: Any, tp: Any) -> Any:
             return None
         raise ValueError("null is not allowed")
     origin = typing.get_origin(inner)
+    if origin is Union:  # the first alternative that takes the value (Literal["auto"] before int)
+        alternatives = sorted(typing.get_args(inner), key=lambda a: typing.get_origin(a) is not Literal)
+        for alternative in alternatives:
+            try:
+                return coerce(raw, alternative)
+            except ValueError:
+                pass
+        raise ValueError("expects " + " or ".join(_expected(a) for a in alternatives))
     if origin is Literal:
         options = typing.get_args(inner)
         if raw not in options:
@@ -302,6 +340,13 @@ def coerce(raw: Any, tp: Any) -> Any:
     if origin is tuple:
         return _coerce_tuple(raw, typing.get_args(inner))
     return _coerce_scalar(raw, inner)
+
+
+def _expected(tp: Any) -> str:
+    """``an integer``, ``a number``, ``a string`` or a Literal's options joined by ``or``."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(str, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false"}.get(tp, "a string")
 
 
 def _coerce_tuple(raw: Any, args: tuple) -> tuple:
@@ -428,6 +473,8 @@ def batch_sizes(optim: OptimConfig, dp: int) -> tuple[int, int]:
     Raises UserError when the global batch does not divide over the ranks and micro-steps.
     """
     k = optim.grad_accum_steps
+    if optim.local_batch_size == AUTO:
+        raise ValueError("local_batch_size auto is resolved by the batch tuner before batch sizes are computed")
     if optim.local_batch_size is not None:
         return optim.local_batch_size, optim.local_batch_size * dp * k
     gbs = optim.global_batch_size
@@ -438,7 +485,13 @@ def batch_sizes(optim: OptimConfig, dp: int) -> tuple[int, int]:
 
 
 def _check_batches(cfg: Config, launch: Launch) -> None:
-    batch_sizes(cfg.optim, data_parallel_size(launch.world_size, cfg.parallel))
+    dp = data_parallel_size(launch.world_size, cfg.parallel)
+    if cfg.optim.local_batch_size != AUTO:
+        batch_sizes(cfg.optim, dp)
+    t = cfg.tune
+    if t.tune_start > t.tune_max_batch:
+        raise UserError(f"--tune_start {t.tune_start} exceeds --tune_max_batch {t.tune_max_batch}; lower the first "
+                        "or raise the second")
 
 
 def _check_precision(cfg: Config, launch: Launch) -> None:

@@ -9,7 +9,6 @@ suppression for accumulation and the reduction of replicated-parameter gradients
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -17,8 +16,8 @@ import os
 import platform
 import sys
 import time
-from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,9 +26,7 @@ from tqdm import tqdm
 from distributed.checkpoint import CheckpointManager, save_full_model
 from distributed.env import World, all_reduce, broadcast_from_main
 from distributed.host_staging import register_pinned_memory
-from distributed.parallelize import (AMP_DTYPES, build_grad_scaler, build_parallel_model, clip_grad_norm,
-                                     gradient_sync, reduce_replicated_gradients)
-from networks.vit import build_model
+from distributed.parallelize import AMP_DTYPES
 from utils.config import to_yaml
 from utils.data_loader import Data, build_data
 from utils.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preempted, UserError
@@ -38,28 +35,16 @@ from utils.logging_utils import setup_logging
 from utils.memory import MemoryTracker, OutOfMemoryHandler
 from utils.memory_profile import MemoryProfiler
 from utils.evaluation import Evaluator, nonfinite_samples
-from utils.metrics import relative_l2_loss
 from utils.preemption import PreemptionFlag, signal_name
 from utils.profiling import ProfilerWindow, nvtx_range
-from utils.reporting import Reporter, RunDir, open_run_dir, run_record, tensorboard_tag
-from utils.schema import Config, OptimConfig, batch_sizes
+from utils.reporting import Reporter, RunDir, continued_run, open_run_dir, run_record, tensorboard_tag
+from utils.schema import AUTO, Config, batch_sizes
+from utils.train_step import build_training_step, count_parameters
 from utils.train_state import TrainState
+from utils.tuning import (AUTO_OBJECTIVE, TUNE_FILE, TuneResult, journal_path, out_path, recorded_choice, summary,
+                          tune, with_batch, write_outputs)
 
 log = logging.getLogger(__name__)
-
-
-def lr_lambda(optim: OptimConfig):
-    """Multiplier of the base lr at optimizer step s: linear warmup, then cosine to 0 (or constant)."""
-    warmup, total = optim.warmup, max(1, optim.num_iters)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if optim.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return factor
 
 
 def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> None:
@@ -99,6 +84,9 @@ class Trainer:
         self.preemption = PreemptionFlag()
         if cfg.checkpoint.save_checkpoint:
             self.preemption.install()
+        self.tuned: TuneResult | None = None  # --local_batch_size auto: what the tuner measured
+        if cfg.optim.local_batch_size == AUTO:
+            cfg = self._resolve_auto_batch(cfg)
         self.local_bs, self.global_bs = batch_sizes(cfg.optim, world.dp)
         self.accum = cfg.optim.grad_accum_steps
         self.data: Data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed)
@@ -107,12 +95,15 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
                               self.amp_dtype or torch.float32)
-        # nothing above writes to disk: a bad input stops the run before its directory exists
+        # nothing above leaves anything on disk (the tuner removes its journal): a bad input stops the run
+        # before its directory exists
         run = self._open_run_dir()
         self.run_dir = run.path
-        # the trainer's own copy records the number `auto` picked (run.json, config.yaml)
+        # the run record keeps the command's config (with `auto` batch, so a rerun continues this run) and
+        # the number `auto` picked for the run; the trainer trains with the resolved copy
+        recorded = copy.deepcopy(self.cfg)
         self.cfg = cfg = copy.deepcopy(cfg)
-        cfg.logging.run_num = self.run_dir.name
+        recorded.logging.run_num = cfg.logging.run_num = self.run_dir.name
         setup_logging(self.run_dir / "out.log" if world.is_main else None, world.rank)
         log.info("rank %d/%d on %s (launcher %s): dp=%d cp=%d tp=%d, local batch %d, global batch %d",
                  world.rank, world.world_size, self.device, world.env.launcher, world.dp, world.cp, world.tp,
@@ -135,23 +126,53 @@ class Trainer:
         self.last_loss: tuple[int, float] | None = None  # (iteration, loss) of the last step read back
         self.stop_signal = 0  # a preemption signal every rank has agreed on (max over ranks)
         resumed = self._resume(run)
-        self.reporter.start(run_record(cfg.name, cfg.flat(), self._world_info()), to_yaml(cfg), self._metric_tags(),
+        self._report_tuning()
+        self.reporter.start(run_record(cfg.name, recorded.flat(), self._world_info()), to_yaml(recorded),
+                            self._metric_tags(),
                             resumed_step=resumed, elapsed_before=self.state.elapsed_s)
 
-    def _open_run_dir(self) -> RunDir:
-        """Rank 0 picks the run directory (new, or the run this command continues); every rank gets the
-        same answer, or raises the same error, so none waits for the others."""
+    def _main_decides(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` on rank 0, its answer on every rank; a UserError or NothingToDo it raises is
+        raised on every rank, so none waits for the others."""
         outcome = None
         if self.world.is_main:
             try:
-                c = self.cfg
-                outcome = open_run_dir(c.logging, c.checkpoint.resume, c.name, self.world.world_size, c.flat())
+                outcome = decide()
             except (UserError, NothingToDo) as exc:
                 outcome = exc
         outcome = broadcast_from_main(outcome, self.world)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    def _open_run_dir(self) -> RunDir:
+        """The run directory (new, or the run this command continues), chosen by rank 0."""
+        c, size = self.cfg, self.world.world_size
+        return self._main_decides(lambda: open_run_dir(c.logging, c.checkpoint.resume, c.name, size, c.flat()))
+
+    def _resolve_auto_batch(self, cfg: Config) -> Config:
+        """``--local_batch_size auto``: ``cfg`` with the local batch (and scaled lr) the run this command
+        continues chose, or else with the tuner's quick ``max-throughput`` choice (collective)."""
+        w = self.world
+        setup_logging(None, w.rank)  # the trials' progress, before the run's log file exists
+        run = cfg.logging, cfg.checkpoint.resume, cfg.name, w.world_size, cfg.flat()
+        prior = self._main_decides(lambda: recorded_choice(continued_run(*run)))
+        if prior is not None:
+            log.info("local batch auto: %d, as tuned when this run started", prior[0])
+            return with_batch(cfg, *prior)
+        # the data is checked before minutes of tuning (the trials use synthetic batches by default)
+        build_data(cfg.data, 1, w.dp_rank, w.dp, self.device, cfg.optim.seed).close()
+        self.tuned = tune(cfg, w, [], journal_path(out_path(cfg)), quick=True)
+        choice = self.tuned.choices[AUTO_OBJECTIVE]
+        return with_batch(cfg, choice.local_batch_size, self.tuned.lr(AUTO_OBJECTIVE))
+
+    def _report_tuning(self) -> None:
+        """Log what ``--local_batch_size auto`` measured and chose, and keep its JSON and PNG in the run directory."""
+        if self.tuned is None:
+            return
+        log.info("local batch auto: the tuner's %s choice\n%s", AUTO_OBJECTIVE, summary(self.tuned))
+        if self.world.is_main:
+            write_outputs(self.tuned, self.run_dir / TUNE_FILE)
 
     def _resume(self, run: RunDir) -> int | None:
         """Load the checkpoint this run continues from (its own latest, or ``--resume PATH``); returns
@@ -184,24 +205,12 @@ class Trainer:
         return steps
 
     def _build_model(self) -> None:
-        cfg = self.cfg
-        torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
-        build = partial(build_model, cfg.model, cfg.data)
-        with torch.device("meta"):  # counted without allocating
-            n_params = sum(t.numel() for t in build().parameters())
-        m = cfg.model
+        m = self.cfg.model
         log.info("model: %s embed %d depth %d heads %d patch %d, %.2fM parameters", m.nettype, m.embed_dim, m.depth,
-                 m.num_heads, m.patch_size, n_params / 1e6)
-        self.model = build_parallel_model(build, cfg.parallel, cfg.precision, self.world, self.accum)
-        opt, prec = cfg.optim, cfg.precision
-        fused = prec.enable_fused and self.device.type in ("cuda", "cpu")
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                          weight_decay=opt.weight_decay, fused=fused or None)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt))
-        self.scaler = build_grad_scaler(self.device.type, prec.amp_mode == "fp16", self.world)
-        # Eager, the loss and its backward are ~10 passes over full-resolution fields (~4 % of an
-        # H100 step at short_opt); compiled, they fuse into a few kernels.
-        self.loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
+                 m.num_heads, m.patch_size, count_parameters(self.cfg) / 1e6)
+        self.step_fn = build_training_step(self.cfg, self.world)
+        s = self.step_fn
+        self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
 
     def _world_info(self) -> dict:
         """World size, mesh, launcher, and the host and device of every rank (collective)."""
@@ -220,11 +229,6 @@ class Trainer:
         if self.peak_flops:
             tags.append(tensorboard_tag("mfu"))
         return tags + [f"rmse/{k}" for k in self.evaluator.key_channels]
-
-    def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def close(self, error: BaseException | None = None) -> None:
         """End the run, after success or ``error``: finish a pending checkpoint write, release the
@@ -332,34 +336,19 @@ class Trainer:
 
     def train_step(self, batches) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns tensors for the late check."""
-        loss_total = torch.zeros((), device=self.device)
-        indices = []
-        for micro in range(self.accum):
+        loss, indices = self.step_fn(self._timed(batches), self.oom.phase)
+        return {"loss": loss, "indices": indices, "step": self.state.step, **self._queue_readback(loss)}
+
+    def _timed(self, batches):
+        """``batches``, adding the host time spent waiting for each to ``data_wait``."""
+        while True:
             with nvtx_range("data"):
                 t0 = time.perf_counter()
-                inp, tar, idx = next(batches)
+                batch = next(batches, None)
                 self.data_wait += time.perf_counter() - t0
-            indices.append(idx)
-            last = micro == self.accum - 1
-            with gradient_sync(self.model, last):
-                with nvtx_range("forward"), self.oom.phase("forward"), self.autocast():
-                    loss = self.loss_fn(self.model(inp), tar) / self.accum
-                with nvtx_range("backward"), self.oom.phase("backward"):
-                    self.scaler.scale(loss).backward()
-            loss_total += loss.detach()
-        with nvtx_range("optimizer"), self.oom.phase("optimizer step"):
-            self._optimizer_step()
-        return {"loss": loss_total, "indices": indices, "step": self.state.step, **self._queue_readback(loss_total)}
-
-    def _optimizer_step(self) -> None:
-        reduce_replicated_gradients(self.model)
-        if self.cfg.optim.max_grad_norm > 0:
-            self.scaler.unscale_(self.optimizer)
-            clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+            if batch is None:
+                return
+            yield batch
 
     def _queue_readback(self, loss: torch.Tensor) -> dict:
         """Enqueue the step's non-finite-loss flag and preemption signal (max over ranks) and its loss,
@@ -405,7 +394,7 @@ class Trainer:
     def validate(self) -> dict:
         """The validation scores (:class:`utils.evaluation.Evaluator`); the figure goes to TensorBoard."""
         with self.oom.phase("validation"):
-            record, figure = self.evaluator.evaluate(self.model, self.autocast)
+            record, figure = self.evaluator.evaluate(self.model, self.step_fn.autocast)
         if figure is not None:
             self.reporter.figure(f"prediction({self.evaluator.plot_channel})/valid", figure, self.state.step)
         return record

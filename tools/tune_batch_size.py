@@ -1,0 +1,53 @@
+"""Find the local batch size with the most samples/s and no cudaMalloc retries, on the real setup.
+
+    python -m tools.tune_batch_size --config short_opt [any train.py overrides] [--out FILE.json]
+    torchrun --nproc_per_node 2 -m tools.tune_batch_size --config vit_2b --fsdp zero3 ...
+    sbatch submit_pm.sh --tune --config=short
+
+Launched like ``train.py`` and parsed by the same config (the tuner's own keys are in the section
+"batch-size tuner" of ``--help``). Prints the table of trials and, per objective, the choice and the
+exact ``train.py`` arguments; writes the JSON (``--out``) and a PNG beside it. How trials run and
+what happens on OOM: ``utils/tuning.py``; the search and the choices: ``utils/batch_tuner.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file too
+
+PROG = "python -m tools.tune_batch_size"
+
+
+def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> int:
+    from utils.config import cli_config
+
+    cfg = cli_config(argv, default_config, prog)
+    if cfg is None:  # --help, --list-configs or --print-config
+        return 0
+    import torch
+
+    from distributed.env import detect_launch, distributed_session
+    from utils.logging_utils import setup_logging
+    from utils.schema import Launch, validate
+    from utils.tuning import journal_path, out_path, summary, tune, without_tuner_keys, write_outputs
+
+    launch = detect_launch()
+    validate(cfg, Launch(launch.world_size, torch.cuda.is_available()))
+    with distributed_session(cfg.parallel, launch) as world:
+        setup_logging(None, world.rank)
+        out = out_path(cfg)
+        result = tune(cfg, world, without_tuner_keys(argv), journal_path(out))
+        if world.is_main:
+            png = write_outputs(result, out)
+            print(summary(result), flush=True)
+            logging.getLogger(__name__).info("wrote %s and %s", out, png)
+    return 0
+
+
+if __name__ == "__main__":
+    from train import cli
+
+    sys.exit(cli("tiny", main, PROG))
