@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,6 +43,32 @@ def run_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: i
     procs = start_job(workdir, data, args, ranks, signal_at, entry, **env)
     outputs = [p.communicate(timeout=300) for p in procs]
     return [(p.returncode, *out) for p, out in zip(procs, outputs)]
+
+
+_REFERENCES: dict[tuple, tuple[Path, Future]] = {}
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reference-run")
+
+
+def reference_run(tmp_path_factory, data: Path, args: list[str], ranks: int):
+    """An uninterrupted run of ``RUN + args`` on ``ranks`` processes, shared by every test of the session
+    that asks for the same one (the runs are deterministic). A one-process run starts in the background
+    (it leaves the second core of a 2-core machine to the job the test runs meanwhile); a multi-process
+    one runs at once. Returns a function that waits for it, asserts every rank exited 0 and returns its
+    run directory."""
+    key = (str(data), tuple(args), ranks)
+    if key not in _REFERENCES:
+        workdir = tmp_path_factory.mktemp(f"reference{ranks}")
+        future: Future = _POOL.submit(run_job, workdir, data, args, ranks)
+        if ranks > 1:  # nothing to gain from overlapping jobs that already fill the cores
+            future.exception()
+        _REFERENCES[key] = workdir, future
+    workdir, future = _REFERENCES[key]
+
+    def wait() -> Path:
+        for status, _, err in future.result():
+            assert status == 0, err[-3000:]
+        return run_path(workdir, ranks)
+    return wait
 
 
 def run_path(workdir: Path, ranks: int, num: str = "00") -> Path:

@@ -84,7 +84,7 @@ def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
     """cuDNN attention has no fp32 kernel: with --amp_mode none it is a one-line error, not a crash mid-step;
     the probe itself runs in the run's dtype (fp32 here), so a backend that has fp32 kernels trains."""
     from utils.errors import UserError
-    from utils.trainer import set_attention_backend
+    from utils.train_step import set_attention_backend
     bad = _train_cli(tmp_path / "a", tiny_data, "--attention_backend", "cudnn", "--amp_mode", "none")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --attention_backend cudnn runs only in")
     good = _train_cli(tmp_path / "b", tiny_data, "--attention_backend", "efficient", "--amp_mode", "none")

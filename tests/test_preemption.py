@@ -12,26 +12,19 @@ import time
 
 import pytest
 
-from tests.jobs import assert_same_state, run_job, run_path, run_record, start_job
+from tests.jobs import assert_same_state, reference_run, run_job, run_path, run_record, start_job
 from utils.errors import EXIT_PREEMPTED
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_data, tmp_path_factory):
-    """Reference runs without any signal, by number of ranks."""
-    done = {}
-
-    def get(ranks: int):
-        if ranks not in done:
-            workdir = tmp_path_factory.mktemp(f"whole{ranks}")
-            for status, _, err in run_job(workdir, tiny_data, [], ranks):
-                assert status == 0, err[-3000:]
-            done[ranks] = run_path(workdir, ranks)
-        return done[ranks]
-    return get
+    """Reference runs without any signal, by number of ranks (shared by the session: see reference_run);
+    ``uninterrupted(ranks)`` starts one and returns a function that waits for its run directory."""
+    return lambda ranks: reference_run(tmp_path_factory, tiny_data, [], ranks)
 
 
 def test_sigusr1_on_one_rank_stops_every_rank_with_a_checkpoint(tiny_data, tmp_path, uninterrupted):
+    reference = uninterrupted(2)
     # only rank 1 gets the signal (after step 13): the per-step all-reduce makes both stop together
     job = run_job(tmp_path, tiny_data, [], 2, signal_at=13, KILL_SIGNAL="USR1", KILL_RANKS="1")
     assert [status for status, _, _ in job] == [EXIT_PREEMPTED] * 2, [err[-2000:] for _, _, err in job]
@@ -47,10 +40,11 @@ def test_sigusr1_on_one_rank_stops_every_rank_with_a_checkpoint(tiny_data, tmp_p
     for status, _, err in run_job(tmp_path, tiny_data, [], 2):  # the same command again
         assert status == 0, err[-3000:]
     assert f"resumed at iteration {stopped}" in (run / "out.log").read_text()
-    assert_same_state(run, uninterrupted(2), tmp_path)
+    assert_same_state(run, reference(), tmp_path)
 
 
 def test_sigterm_at_an_epochs_last_step_resumes_before_its_report(tiny_data, tmp_path, uninterrupted):
+    reference = uninterrupted(1)  # runs meanwhile
     # signalled after step 6, agreed at step 8: the epoch's last, before validation and its report
     [(status, out, err)] = run_job(tmp_path, tiny_data, [], 1, signal_at=6, KILL_SIGNAL="TERM")
     assert status == EXIT_PREEMPTED, err[-3000:]
@@ -59,7 +53,7 @@ def test_sigterm_at_an_epochs_last_step_resumes_before_its_report(tiny_data, tmp
     assert not (run / "metrics.jsonl").exists()  # epoch 1 not yet reported
     [(status, _, err)] = run_job(tmp_path, tiny_data, [], 1)
     assert status == 0, err[-3000:]
-    assert_same_state(run, uninterrupted(1), tmp_path)
+    assert_same_state(run, reference(), tmp_path)
 
 
 def test_without_checkpoints_a_signal_stops_at_once(tiny_data, tmp_path):

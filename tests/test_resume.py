@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from tests.jobs import assert_same_state, final_state, run_job, run_path, run_record
+from tests.jobs import assert_same_state, final_state, reference_run, run_job, run_path, run_record
 
 
 # (ranks, arguments, whether to re-run the finished run too: that path does not depend on the
@@ -19,10 +19,11 @@ from tests.jobs import assert_same_state, final_state, run_job, run_path, run_re
     (2, ["--tensor_parallel", "2"], False), (2, ["--context_parallel", "2"], False),
     (4, ["--tensor_parallel", "2", "--fsdp", "zero3"], False),
 ], ids=["one process", "DDP 2 ranks", "FSDP ZeRO-3 2 ranks", "tp 2", "cp 2", "tp 2 x FSDP ZeRO-3 dp 2"])
-def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, ranks, extra, again):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    for proc in run_job(whole, tiny_data, extra, ranks):
-        assert proc[0] == 0, proc[2][-3000:]
+def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory, ranks, extra,
+                                                          again):
+    # the uninterrupted run (shared with other tests of the session that need the same one)
+    whole = reference_run(tmp_path_factory, tiny_data, extra, ranks)
+    cut = tmp_path / "cut"
     killed = run_job(cut, tiny_data, extra, ranks, signal_at=13)
     assert all(p[0] == -signal.SIGKILL for p in killed), [p[0] for p in killed]
     run = run_path(cut, ranks)
@@ -30,7 +31,7 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, 
     for proc in run_job(cut, tiny_data, extra, ranks):  # the same command again
         assert proc[0] == 0, proc[2][-3000:]
     assert "resumed at iteration 10" in (run / "out.log").read_text()
-    assert_same_state(run, run_path(whole, ranks), tmp_path)
+    assert_same_state(run, whole(), tmp_path)
     # the checkpoint holds the single-GPU layout (tensor-parallel slices as blocks of the dense tensors)
     got = final_state(run, tmp_path)
     exported = torch.load(run / "checkpoints" / "model.pt")["model"]

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from tests.jobs import final_state, metrics, run_job, run_path
+from tests.jobs import final_state, metrics, reference_run, run_job, run_path
 
 
-def test_two_ranks_then_one_rank_follows_the_one_rank_run(tiny_data, tmp_path):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    [(status, _, err)] = run_job(whole, tiny_data, [], 1)
-    assert status == 0, err[-3000:]
+def test_two_ranks_then_one_rank_follows_the_one_rank_run(tiny_data, tmp_path, tmp_path_factory):
+    whole = reference_run(tmp_path_factory, tiny_data, [], 1)  # the one-rank run (shared; runs meanwhile)
+    cut = tmp_path / "cut"
     job = run_job(cut, tiny_data, ["--fsdp", "zero3"], 2, signal_at=13)  # SIGKILLed after step 13
     assert all(status < 0 for status, _, _ in job), job[0][2][-3000:]
     checkpoint = run_path(cut, 2) / "checkpoints" / "step_00000010"
     [(status, out, err)] = run_job(cut, tiny_data, ["--resume", str(checkpoint)], 1)
     assert status == 0, err[-3000:]
-    resumed, reference = run_path(cut, 1), run_path(whole, 1)
+    resumed, reference = run_path(cut, 1), whole()
     assert "resumed at iteration 10" in (resumed / "out.log").read_text()
     # the same samples in every global batch: the runs differ only by summation order
     got, want = metrics(resumed), metrics(reference)[1:]  # a run of its own: from epoch 2 on

@@ -32,10 +32,11 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> int
     from distributed.env import detect_launch, distributed_session
     from utils.logging_utils import setup_logging
     from utils.schema import Launch, validate
-    from utils.tuning import journal_path, out_path, summary, tune, without_tuner_keys, write_outputs
+    from utils.tuning import journal_path, out_path, summary, trial_config, tune, without_tuner_keys, write_outputs
 
     launch = detect_launch()
-    validate(cfg, Launch(launch.world_size, torch.cuda.is_available()))
+    # as the trials run: with synthetic batches, the configured loader (DALI, say) need not be installed here
+    validate(trial_config(cfg, cfg.tune.tune_start), Launch(launch.world_size, torch.cuda.is_available()))
     with distributed_session(cfg.parallel, launch) as world:
         setup_logging(None, world.rank)
         out = out_path(cfg)

@@ -22,6 +22,7 @@ from distributed.parallelize import (AMP_DTYPES, build_grad_scaler, build_parall
 from networks.vit import build_model
 from utils.metrics import relative_l2_loss
 from utils.profiling import nvtx_range
+from utils.errors import UserError
 from utils.schema import Config, OptimConfig
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,27 @@ def lr_lambda(optim: OptimConfig):
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return factor
+
+
+def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> None:
+    """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it).
+
+    Only CUDA backends are selectable; on CPU PyTorch keeps its own choice. The startup probe runs
+    in the run's compute ``dtype`` (the AMP dtype, else float32). Raises UserError when the backend
+    cannot run this head size and dtype on this device.
+    """
+    if name == "auto" or device.type != "cuda":
+        return
+    flags = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
+             "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
+    for key, enable in flags.items():
+        enable(key == name)
+    q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=dtype)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError:
+        raise UserError(f"--attention_backend {name} cannot run head dim {head_dim} in {str(dtype)[6:]} on "
+                        f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
 
 
 def _no_phase(name: str) -> ContextManager:

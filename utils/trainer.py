@@ -39,33 +39,12 @@ from utils.preemption import PreemptionFlag, signal_name
 from utils.profiling import ProfilerWindow, nvtx_range
 from utils.reporting import Reporter, RunDir, continued_run, open_run_dir, run_record, tensorboard_tag
 from utils.schema import AUTO, Config, batch_sizes
-from utils.train_step import build_training_step, count_parameters
+from utils.train_step import build_training_step, count_parameters, set_attention_backend
 from utils.train_state import TrainState
 from utils.tuning import (AUTO_OBJECTIVE, TUNE_FILE, TuneResult, journal_path, out_path, recorded_choice, summary,
                           tune, with_batch, write_outputs)
 
 log = logging.getLogger(__name__)
-
-
-def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> None:
-    """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it).
-
-    Only CUDA backends are selectable; on CPU PyTorch keeps its own choice. The startup probe runs
-    in the run's compute ``dtype`` (the AMP dtype, else float32). Raises UserError when the backend
-    cannot run this head size and dtype on this device.
-    """
-    if name == "auto" or device.type != "cuda":
-        return
-    flags = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
-             "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
-    for key, enable in flags.items():
-        enable(key == name)
-    q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=dtype)
-    try:
-        torch.nn.functional.scaled_dot_product_attention(q, q, q)
-    except RuntimeError:
-        raise UserError(f"--attention_backend {name} cannot run head dim {head_dim} in {str(dtype)[6:]} on "
-                        f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
 
 
 class Trainer:

@@ -28,13 +28,14 @@ from typing import Iterator
 import torch
 
 from distributed.env import World, broadcast_from_main
+from distributed.parallelize import AMP_DTYPES
 from utils.batch_tuner import OBJECTIVES, Trial, choice_args, choose, plot, report_table, save_json, search
 from utils.data_loader import build_data
 from utils.errors import OutOfMemory
 from utils.flops import peak_flops, vit_flops_per_sample
 from utils.memory import GIB, peak_rss_bytes, reset_peak_rss
 from utils.schema import AUTO, Config, TuneConfig, batch_sizes
-from utils.train_step import build_training_step
+from utils.train_step import build_training_step, set_attention_backend
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ class BatchTrials:
         self.budget = None if cfg.tune.memory_budget_gib is None else cfg.tune.memory_budget_gib * GIB
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
         self.peak_flops = peak_flops(world.device, cfg.precision.amp_mode)
+        prec, m = cfg.precision, cfg.model
+        set_attention_backend(prec.attention_backend, world.device, m.embed_dim // m.num_heads,
+                              AMP_DTYPES[prec.amp_mode] or torch.float32)
 
     def __call__(self, local_batch: int) -> Trial:
         if local_batch in self.journal.trials:
@@ -163,16 +167,17 @@ class BatchTrials:
         except torch.OutOfMemoryError as exc:
             message = str(exc).splitlines()[0]
             elapsed = None
-        if elapsed is None:
+        if elapsed is None:  # the peaks first: the release resets them
+            self._read(trial, counters)
+            trial.ooms = max(1, trial.ooms)
             _release(device)  # after the except block: its traceback no longer holds the step's tensors
-            trial = self._out_of_memory(trial, counters, message)
+            self._out_of_memory(trial, message)
         else:
             trial.step_time_s = elapsed / self.steps
             trial.samples_per_s = global_batch / trial.step_time_s
             if self.peak_flops:
                 trial.mfu = trial.samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
-            for name, value in counters.read().items():
-                setattr(trial, name, value)
+            self._read(trial, counters)
         _release(device)
         trial.over_budget = self.budget is not None and trial.peak_reserved_bytes > self.budget
         return trial
@@ -197,14 +202,17 @@ class BatchTrials:
         finally:
             data.close()
 
-    def _out_of_memory(self, trial: Trial, counters: _Counters, message: str) -> Trial:
+    @staticmethod
+    def _read(trial: Trial, counters: _Counters) -> None:
         for name, value in counters.read().items():
             setattr(trial, name, value)
-        trial.ooms = max(1, trial.ooms)
+
+    def _out_of_memory(self, trial: Trial, message: str) -> None:
+        """Log the OOM and go on (one process), or journal it and raise (several)."""
         if self.world.world_size == 1:
             log.info("batch tuner: local batch %d ran out of memory (%s); freed, going on", trial.local_batch_size,
                      message)
-            return trial
+            return
         self.journal.out_of_memory(trial, self.world.rank)
         raise OutOfMemory(f"rank {self.world.rank} ran out of {self.world.device} memory at local batch "
                           f"{trial.local_batch_size} during tuning ({message}); with several processes the tuner "
