@@ -1,4 +1,5 @@
-"""Convert ERA5-style netCDF (Copernicus CDS, WeatherBench2) to the layout of ``tools/era5_layout.py``.
+"""Convert ERA5-style netCDF, GRIB or zarr (Copernicus CDS, WeatherBench2, ARCO-ERA5) to the layout of
+``tools/era5_layout.py``.
 
 Usage::
 
@@ -12,12 +13,32 @@ are split by time into train/valid, one file per year (``<year>.h5``, or ``<year
 ensemble member when the input has a ``number`` dimension). Output latitude runs north to south.
 Statistics are computed over the training split only (all its members). Data are streamed in
 blocks of time steps, so inputs larger than memory convert too.
+
+Inputs (``--input``), told apart by content, else by suffix (see :func:`detect_format`):
+
+- netCDF 3 or 4 file (xarray with h5netcdf or netCDF4; the ``data`` extra).
+- GRIB 1 or 2 file (cfgrib with ecCodes; ``pip install -e '.[grib]'``). The time axis is cfgrib's
+  ``valid_time`` (start ``time`` + lead ``step``), so analyses and a single forecast's lead times
+  both give valid times. A file with several start times *and* several lead times (``time`` x
+  ``step``) is refused: split it into one lead time per file first. A file's only pressure level,
+  which cfgrib keeps as a scalar coordinate, still names the channel (``t500``).
+- zarr store folder, format 2 or 3 (``.zgroup``/``.zattrs`` or ``zarr.json`` in it), e.g. a local
+  copy of WeatherBench 2 or ARCO-ERA5 (the ``zarr`` package of the ``data`` extra; format 3 needs
+  zarr >= 3, which needs Python >= 3.11).
+
+Times are decoded with cftime in the input's CF calendar (``standard``, ``proleptic_gregorian``,
+``noleap``/``365_day``, ``all_leap``/``366_day``, ``360_day``, ``julian``), so the step ``dt_hours``
+and the ``--valid_start`` split are computed in that calendar (``2001-02-30`` exists in
+``360_day``). Every file stores the calendar as cftime names it in attribute ``calendar`` (also
+for standard calendars) next to the ISO 8601-like ``start_time``.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
@@ -33,11 +54,15 @@ LON_NAMES = ("longitude", "lon")
 TIME_NAMES = ("time", "valid_time")
 MEMBER_DIM = "number"
 BLOCK_BYTES = 256 * 2 ** 20  # bytes of float32 output read per block
+GRIB_SUFFIXES = (".grib", ".grb", ".grib1", ".grib2", ".grb1", ".grb2")
+ZARR_MARKERS = (".zgroup", ".zattrs", "zarr.json")  # zarr format 2 group/attributes, format 3 metadata
+ACCEPTED = "--input takes a netCDF file, a GRIB file or a zarr store folder"
 
 
 @dataclass(frozen=True)
 class Channel:
-    """One output channel: ``variable`` at ``level`` (value of ``level_dim``), or a single-level variable."""
+    """One output channel: ``variable`` at ``level`` (value of ``level_dim``, or of a scalar level
+    coordinate when ``level_dim`` is None), or a single-level variable (``level`` None)."""
 
     name: str
     variable: str
@@ -70,33 +95,115 @@ class Plan:
     dt_hours: float
     files: list[OutputFile]
     member_values: list[int] | None
-    times: np.ndarray  # (T,) datetime64[s] of the whole input time axis
+    times: np.ndarray  # (T,) cftime datetimes of the whole input time axis
+    calendar: str  # their CF calendar, as cftime names it
     notes: list[str] = field(default_factory=list)
 
 
-def open_input(path: str | Path):
-    """Open a netCDF file lazily with xarray (engine ``h5netcdf``, else xarray's default).
+def detect_format(path: Path) -> str | None:
+    """``"netcdf"``, ``"grib"`` or ``"zarr"`` for an existing ``path``, None if unrecognised.
+
+    Content decides first (signature bytes ``GRIB``, ``\\x89HDF`` (netCDF4), ``CDF`` (netCDF3), or a
+    folder holding zarr metadata), then the suffix (a GRIB file may start with a bulletin header).
 
     Raises:
-        InputNotFoundError: the file does not exist.
-        LayoutError: ``path`` is a folder, or xarray cannot read it.
+        LayoutError: ``path`` is a folder without zarr metadata, or a file that cannot be opened.
+    """
+    if path.is_dir():
+        if any((path / name).is_file() for name in ZARR_MARKERS):
+            return "zarr"
+        raise LayoutError(f"--input {path} is a folder but not a zarr store (it holds none of "
+                          f"{', '.join(ZARR_MARKERS)}); {ACCEPTED}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise LayoutError(f"cannot open --input {path} ({layout.one_line(exc)}); check its permissions") from None
+    if head == b"GRIB":
+        return "grib"
+    if head == b"\x89HDF" or head[:3] == b"CDF":
+        return "netcdf"
+    return "grib" if path.suffix.lower() in GRIB_SUFFIXES else None
+
+
+def _require(module: str, extra: str, what: str) -> None:
+    """Import an optional dependency, or raise a LayoutError naming the extra that installs it."""
+    try:
+        importlib.import_module(module)
+    except (ImportError, RuntimeError) as exc:  # eccodes raises RuntimeError when its library is missing
+        raise LayoutError(f"reading {what} needs the Python package '{module}' ({type(exc).__name__}: "
+                          f"{layout.one_line(exc)}); install it with pip install -e '.[{extra}]'") from None
+
+
+def open_input(path: str | Path):
+    """Open a netCDF file, GRIB file or zarr store lazily with xarray, times decoded with cftime.
+
+    Unrecognised files are offered to xarray as netCDF (see :func:`detect_format`). A GRIB file's
+    time dimension is replaced by ``valid_time`` (see the module docstring).
+
+    Raises:
+        InputNotFoundError: ``path`` does not exist.
+        LayoutError: a folder that is no zarr store, a missing optional package (xarray, cftime,
+            zarr, cfgrib/ecCodes; the message names the pip extra), a GRIB file with both several
+            start times and several lead times, or xarray cannot read the input.
     """
     path = Path(path)
-    if path.is_dir():
-        raise LayoutError(f"--input {path} is a folder; pass one netCDF file with --input")
-    if not path.is_file():
-        raise InputNotFoundError(f"input file {path} does not exist; pass the netCDF file with --input")
-    import xarray as xr  # optional dependency (pip install .[data]); only the converter needs it
+    if not path.exists():
+        raise InputNotFoundError(f"input {path} does not exist; pass a netCDF file, GRIB file or zarr store "
+                                 "folder with --input")
+    kind = detect_format(path)
+    _require("xarray", "data", "any input")
+    _require("cftime", "data", "any input")
+    import xarray as xr  # optional dependencies (the data extra); only the converter needs them
+
+    # cftime datetimes for every calendar: one way to count steps, in the input's own calendar
+    decode = xr.coders.CFDatetimeCoder(use_cftime=True)
+    if kind == "zarr":
+        _require("zarr", "data", f"the zarr store {path}")
+        # a local store reads each array's metadata cheaply; this also works (without xarray's
+        # multi-line warning) for stores written without consolidated metadata
+        return _open(path, "zarr store", "download or copy the store again", engine="zarr",
+                     consolidated=False, decode_times=decode)
+    if kind == "grib":
+        _require("cfgrib", "grib", f"the GRIB file {path}")
+        # indexpath "": no .idx file next to the input (its folder may be read-only or shared);
+        # errors "raise": a corrupt message fails here instead of being logged and skipped
+        ds = _open(path, "GRIB", "if it mixes level types or steps, split it into one file per kind "
+                   "(e.g. grib_copy in.grib 'out_[typeOfLevel].grib'), else download it again",
+                   engine="cfgrib", decode_times=decode, backend_kwargs={"indexpath": "", "errors": "raise"})
+        return _grib_valid_time(ds, path)
+    if kind == "netcdf":
+        try:
+            return xr.open_dataset(path, engine="h5netcdf", decode_times=decode)
+        except Exception:  # e.g. netCDF3 classic, which h5netcdf cannot read
+            pass
+    fix = ("pass an ERA5 netCDF file with --input" if kind == "netcdf" else
+           f"it is not netCDF, GRIB or a zarr store either: {ACCEPTED}")
+    return _open(path, "netCDF", fix, decode_times=decode)
+
+
+def _open(path: Path, what: str, fix: str, **kwargs):
+    """``xr.open_dataset(path, **kwargs)``; a failure becomes a one-line LayoutError ending in ``fix``."""
+    import xarray as xr
 
     try:
-        return xr.open_dataset(path, engine="h5netcdf")
-    except Exception:  # e.g. netCDF3 classic, which h5netcdf cannot read
-        pass
-    try:
-        return xr.open_dataset(path)
+        return xr.open_dataset(path, **kwargs)
     except Exception as exc:
-        raise LayoutError(f"cannot read {path} as netCDF ({type(exc).__name__}: {layout.one_line(exc)}); "
-                          "pass an ERA5 netCDF file with --input") from None
+        raise LayoutError(f"cannot read {path} as {what} ({type(exc).__name__}: {layout.one_line(exc)}); "
+                          f"{fix}") from None
+
+
+def _grib_valid_time(ds, path: Path):
+    """Make cfgrib's ``valid_time`` the time dimension: the fields are valid at start ``time`` + ``step``."""
+    valid = ds.coords.get("valid_time")
+    if valid is None or valid.ndim == 0:
+        return ds
+    if valid.ndim > 1:
+        raise LayoutError(f"{path} holds forecasts from {ds.sizes.get('time', '?')} start times with "
+                          f"{ds.sizes.get('step', '?')} lead times each (dimensions {valid.dims}), but the "
+                          "converter needs one time axis; split it into one lead time per file, e.g. "
+                          "grib_copy -w step=6 in.grib out.grib")
+    return ds.swap_dims({valid.dims[0]: "valid_time"})
 
 
 def _find_dim(dims: Sequence[str], names: Sequence[str], what: str, variable: str) -> str:
@@ -111,6 +218,15 @@ def _level_name(level: float) -> str:
     return str(int(level)) if float(level).is_integer() else f"{level:g}"
 
 
+def _level_coord(da) -> str | None:
+    """Name of ``da``'s pressure-level dimension, else of a scalar level coordinate (cfgrib keeps a
+    file's only level that way), else None (a single-level variable such as t2m)."""
+    for name in LEVEL_DIMS:
+        if name in da.dims:
+            return name
+    return next((name for name in LEVEL_DIMS if name in da.coords and da[name].ndim == 0), None)
+
+
 def _resolve_channels(ds, variables: Sequence[str], levels: Sequence[float] | None) -> list[Channel]:
     """Channels in variable-major order; raises LayoutError for missing variables or levels."""
     if not variables:
@@ -121,16 +237,17 @@ def _resolve_channels(ds, variables: Sequence[str], levels: Sequence[float] | No
                           f"{', '.join(map(str, ds.data_vars))}")
     channels, any_levels = [], False
     for var in variables:
-        level_dim = next((d for d in LEVEL_DIMS if d in ds[var].dims), None)
-        if level_dim is None:
+        level_name = _level_coord(ds[var])
+        if level_name is None:
             channels.append(Channel(str(var), str(var)))
             continue
         any_levels = True
-        available = np.asarray(ds[level_dim].values, dtype=np.float64)
+        level_dim = level_name if level_name in ds[var].dims else None  # None: a scalar level
+        available = np.atleast_1d(np.asarray(ds[var][level_name].values, dtype=np.float64))
         wanted = available if levels is None else np.asarray(levels, dtype=np.float64)
         for lev in wanted:
             if not np.isclose(available, lev, rtol=0, atol=1e-6 * max(1.0, abs(lev))).any():
-                raise LayoutError(f"variable '{var}' has no level {_level_name(lev)} along '{level_dim}'; "
+                raise LayoutError(f"variable '{var}' has no level {_level_name(lev)} along '{level_name}'; "
                                   f"available levels: {', '.join(_level_name(a) for a in available)}")
             channels.append(Channel(f"{var}{_level_name(lev)}", str(var), level_dim, float(lev)))
     if levels is not None and not any_levels:
@@ -212,23 +329,41 @@ def _grid(ds, dims: dict[str, str], trim: int, notes: list[str]):
 
 
 def _times(ds, time_dim: str) -> np.ndarray:
+    """(T,) cftime datetimes of the time axis, strictly increasing, in the input's calendar."""
+    import cftime
+
     times = np.asarray(ds[time_dim].values)
-    if not np.issubdtype(times.dtype, np.datetime64):
+    if np.issubdtype(times.dtype, np.datetime64):  # stored as datetimes, no CF units: numpy's calendar
+        seconds = times.astype("datetime64[s]").astype(np.int64)
+        times = cftime.num2date(seconds, "seconds since 1970-01-01", calendar="proleptic_gregorian")
+    if not (times.size and isinstance(times.flat[0], cftime.datetime)):
         raise LayoutError(f"time coordinate '{time_dim}' is not decoded to datetimes (dtype {times.dtype}); "
-                          "the input needs CF time units (standard calendar)")
-    times = times.astype("datetime64[s]")
-    if times.size > 1 and not np.all(np.diff(times) > np.timedelta64(0, "s")):
+                          "the input needs CF time units such as 'hours since 1900-01-01' (and optionally a "
+                          "CF calendar attribute)")
+    if times.size > 1 and not np.all(np.diff(times) > timedelta(0)):
         raise LayoutError(f"time coordinate '{time_dim}' is not strictly increasing; sort the input by time "
                           f"and drop duplicates (e.g. ds.sortby('{time_dim}'))")
     return times
+
+
+def _parse_time(text: str, calendar: str):
+    """ISO 8601 ``text`` (e.g. ``2017-01-02T06:00``) as a cftime datetime of ``calendar``."""
+    import xarray as xr
+
+    try:  # xarray's parser, unlike numpy's, knows dates such as 2001-02-30 of a 360-day calendar
+        return xr.date_range(text, periods=1, calendar=calendar, use_cftime=True)[0]
+    except (ValueError, TypeError):
+        raise LayoutError(f"--valid_start {text!r} is not an ISO 8601 time of the input's {calendar} calendar, "
+                          "e.g. 2017-01-02T00:00") from None
 
 
 def split_index(times: np.ndarray, valid_start: str | None = None, valid_fraction: float = 0.5) -> int:
     """Number of leading time steps that go to the training split; the rest go to validation.
 
     Args:
-        times: (T,) datetime64, strictly increasing.
-        valid_start: ISO 8601 time; steps at or after it are validation. Overrides ``valid_fraction``.
+        times: (T,) cftime datetimes of one calendar, strictly increasing (as ``open_input`` decodes them).
+        valid_start: ISO 8601 time in that calendar; steps at or after it are validation. Overrides
+            ``valid_fraction``.
         valid_fraction: fraction of the last steps for validation (0 < F < 1), rounded to nearest.
 
     Raises:
@@ -237,10 +372,7 @@ def split_index(times: np.ndarray, valid_start: str | None = None, valid_fractio
     """
     n = times.size
     if valid_start is not None:
-        try:
-            start = np.datetime64(valid_start, "s")
-        except ValueError:
-            raise LayoutError(f"--valid_start {valid_start!r} is not an ISO 8601 time, e.g. 2017-01-02T00:00") from None
+        start = _parse_time(valid_start, times[0].calendar)
         n_train = int(np.searchsorted(times, start, side="left"))
         how = f"--valid_start {valid_start}"
     else:
@@ -250,9 +382,9 @@ def split_index(times: np.ndarray, valid_start: str | None = None, valid_fractio
         how = f"--valid_fraction {valid_fraction}"
     for split, count in ((layout.TRAIN, n_train), (layout.VALID, n - n_train)):
         if count < 2:
-            raise LayoutError(f"{how} leaves {count} time step(s) of {n} (from {times[0]} to {times[-1]}) for the "
-                              f"{split} split, but each split needs at least 2; choose another --valid_start "
-                              "or --valid_fraction")
+            raise LayoutError(f"{how} leaves {count} time step(s) of {n} (from {times[0].isoformat()} to "
+                              f"{times[-1].isoformat()}) for the {split} split, but each split needs at least 2; "
+                              "choose another --valid_start or --valid_fraction")
     return n_train
 
 
@@ -280,7 +412,7 @@ def _members(ds, channels: list[Channel], spec: str) -> tuple[list[int] | None, 
 
 
 def _plan_files(times: np.ndarray, n_train: int, member_index, member_values) -> list[OutputFile]:
-    years = times.astype("datetime64[Y]").astype(int) + 1970
+    years = np.array([t.year for t in times])
     files = []
     for split, idx in ((layout.TRAIN, np.arange(n_train)), (layout.VALID, np.arange(n_train, times.size))):
         for year in np.unique(years[idx]):
@@ -295,17 +427,17 @@ def _plan_files(times: np.ndarray, n_train: int, member_index, member_values) ->
 
 def _dt_hours(times: np.ndarray, files: list[OutputFile]) -> float:
     """The common spacing of the steps inside every output file (gaps between files are allowed)."""
-    diffs = np.diff(times).astype(np.int64)
-    dt = int(diffs.min())
+    seconds = (np.diff(times) / timedelta(seconds=1)).astype(np.float64)  # cftime: in the input's calendar
+    dt = seconds.min()
     for f in files:
-        inner = np.diff(times[f.times]).astype(np.int64)
+        inner = seconds[f.times[:-1]]  # f.times is contiguous: the steps from each of its times to the next
         bad = np.flatnonzero(inner != dt)
         if bad.size:
-            a, b = times[f.times[bad[0]]], times[f.times[bad[0] + 1]]
+            a, b = times[f.times[bad[0]]].isoformat(), times[f.times[bad[0] + 1]].isoformat()
             raise LayoutError(f"time steps are not equally spaced in {f.split}/{f.name}: {a} -> {b} is "
                               f"{inner[bad[0]] / 3600:g} h, expected {dt / 3600:g} h; each output file needs "
                               "consecutive equally spaced steps, so select a regular time range")
-    return dt / 3600.0
+    return float(dt) / 3600.0
 
 
 def parse_select(items: Sequence[str] | None) -> dict[str, int]:
@@ -349,7 +481,8 @@ def make_plan(ds, variables: Sequence[str], levels: Sequence[float] | None = Non
     member_index, member_values = _members(ds, channels, members)
     files = _plan_files(times, n_train, member_index, member_values)
     # a year holding one step gives no (t, t+1) sample and would fail the loader: leave it out
-    notes += [f"skipped {f.split}/{f.name}: its year has a single time step ({times[f.times[0]]}) in this split"
+    notes += [f"skipped {f.split}/{f.name}: its year has a single time step ({times[f.times[0]].isoformat()}) "
+              "in this split"
               for f in files if f.times.size < 2]
     files = [f for f in files if f.times.size >= 2]
     for split in layout.SPLITS:
@@ -357,7 +490,8 @@ def make_plan(ds, variables: Sequence[str], levels: Sequence[float] | None = Non
             raise LayoutError(f"the {split} split has no year with two or more time steps, so it gives no "
                               "samples; choose another --valid_start or --valid_fraction")
     dt = _dt_hours(times, files)
-    return Plan(channels, dims, extra, lat_index, lon_index, lat, lon, dt, files, member_values, times, notes)
+    return Plan(channels, dims, extra, lat_index, lon_index, lat, lon, dt, files, member_values, times,
+                times[0].calendar, notes)
 
 
 def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: int) -> np.ndarray:
@@ -378,14 +512,15 @@ def _read_channel(ds, plan: Plan, ch: Channel, f: OutputFile, start: int, stop: 
     try:
         values = np.asarray(da.values)  # the read itself: the dataset is opened lazily
     except OSError as exc:
-        raise LayoutError(f"cannot read variable '{ch.variable}' at {plan.times[f.times[start]]} .. "
-                          f"{plan.times[f.times[stop - 1]]} from {ds.encoding.get('source', 'the input')} "
+        first, last = plan.times[f.times[start]].isoformat(), plan.times[f.times[stop - 1]].isoformat()
+        raise LayoutError(f"cannot read variable '{ch.variable}' at {first} .. {last} from "
+                          f"{ds.encoding.get('source', 'the input')} "
                           f"({layout.one_line(exc)}); the file is damaged or truncated: download it again") from None
     block = values[:, plan.lat_index][:, :, plan.lon_index].astype(np.float32)
     bad = ~np.isfinite(block)
     if bad.any():
         t_bad = int(f.times[start + np.flatnonzero(bad.any(axis=(1, 2)))[0]])
-        when = plan.times[t_bad]
+        when = plan.times[t_bad].isoformat()
         member = "" if f.member is None else f", member {f.member_value}"
         raise LayoutError(f"variable '{ch.variable}' (channel {ch.name}) has {int(bad.sum())} NaN/Inf value(s), "
                           f"first at time {when}{member}; ERA5 has no missing values, so fill or drop them "
@@ -402,7 +537,8 @@ def _write_files(ds, plan: Plan, out: Path, verbose: bool) -> dict[str, np.ndarr
     for f in plan.files:
         path = out / f.split / f.name
         with layout.FieldFileWriter(path, names, plan.latitude, plan.longitude, f.times.size, plan.dt_hours,
-                                    start_time=str(plan.times[f.times[0]])) as writer:
+                                    start_time=plan.times[f.times[0]].isoformat(),
+                                    calendar=plan.calendar) as writer:
             for start in range(0, f.times.size, block):
                 stop = min(start + block, f.times.size)
                 data = np.stack([_read_channel(ds, plan, c, f, start, stop) for c in plan.channels], axis=1)
@@ -418,11 +554,12 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
             levels: Sequence[float] | None = None, *, valid_start: str | None = None,
             valid_fraction: float = 0.5, members: str = "all", trim_to_multiple: int = 1,
             select: dict[str, int] | None = None, overwrite: bool = False, verbose: bool = True) -> dict:
-    """Convert one ERA5-style netCDF file to the layout in ``out_dir``; return a summary.
+    """Convert one ERA5-style netCDF file, GRIB file or zarr store to the layout in ``out_dir``.
 
     Args:
-        input_path: netCDF file with variables over (time|valid_time, [isobaricInhPa|level|
-            pressure_level], latitude|lat, longitude|lon), optionally ``number`` (ensemble).
+        input_path: netCDF/GRIB file or zarr store folder (see :func:`open_input`) with variables
+            over (time|valid_time, [isobaricInhPa|level|pressure_level], latitude|lat,
+            longitude|lon), optionally ``number`` (ensemble); times in any CF calendar.
         out_dir: output dataset folder (train/, valid/, stats/).
         variables: variable names; channel order is variable-major.
         levels: pressure levels (hPa, values of the level coordinate) for variables that have
@@ -437,13 +574,16 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
 
     Returns:
         dict with ``channels`` (list[str]), ``grid`` ((H, W)), ``latitude``/``longitude`` arrays,
-        ``dt_hours``, ``members`` (list[int] or None), ``files`` ({split: [(name, n_steps)]}),
-        ``samples`` ({split: number of (t, t+1) pairs}), ``time_range`` ({split: (first, last) ISO
-        times}), ``stats`` (float32 arrays), ``notes`` (list[str]: flips, trims, skipped files).
+        ``dt_hours`` and ``calendar`` (the input's CF calendar name, which ``dt_hours`` and the
+        times are counted in), ``members`` (list[int] or None), ``files`` ({split: [(name,
+        n_steps)]}), ``samples`` ({split: number of (t, t+1) pairs}), ``time_range`` ({split:
+        (first, last) ISO times}), ``stats`` (float32 arrays), ``notes`` (list[str]: flips, trims,
+        skipped files).
 
     Raises:
         InputNotFoundError: missing input. LayoutError: anything else wrong with the input or
-        the arguments (missing variable/level, unknown dimension, NaN/Inf, bad split, ...).
+        the arguments (unsupported format, missing optional package, missing variable/level,
+        unknown dimension, NaN/Inf, bad split, ...).
         Validation happens before anything is written; if reading fails midway, the files
         written by this call are removed again.
     """
@@ -473,11 +613,11 @@ def _summary(plan: Plan, stats: dict, input_path, out: Path) -> dict:
         "channels": [c.name for c in plan.channels],
         "grid": (plan.latitude.size, plan.longitude.size),
         "latitude": plan.latitude, "longitude": plan.longitude,
-        "dt_hours": plan.dt_hours, "members": plan.member_values,
+        "dt_hours": plan.dt_hours, "calendar": plan.calendar, "members": plan.member_values,
         "files": files,
         "samples": {s: sum(n - 1 for _, n in files[s]) for s in layout.SPLITS},
-        "time_range": {s: (str(plan.times[min(f.times[0] for f in plan.files if f.split == s)]),
-                           str(plan.times[max(f.times[-1] for f in plan.files if f.split == s)]))
+        "time_range": {s: (plan.times[min(f.times[0] for f in plan.files if f.split == s)].isoformat(),
+                           plan.times[max(f.times[-1] for f in plan.files if f.split == s)].isoformat())
                        for s in layout.SPLITS},
         "stats": stats, "notes": plan.notes,
     }
@@ -490,7 +630,8 @@ def format_summary(summary: dict) -> str:
     lines += [f"  note: {n}" for n in summary["notes"]]
     lines += [f"channels ({len(summary['channels'])}): {', '.join(summary['channels'])}",
               f"grid: {summary['grid'][0]} x {summary['grid'][1]}, latitude {lat[0]:g} .. {lat[-1]:g}, "
-              f"longitude {lon[0]:g} .. {lon[-1]:g}; dt {summary['dt_hours']:g} h",
+              f"longitude {lon[0]:g} .. {lon[-1]:g}; dt {summary['dt_hours']:g} h "
+              f"({summary['calendar']} calendar)",
               f"members: {'none' if summary['members'] is None else ', '.join(map(str, summary['members']))}"]
     for split in layout.SPLITS:
         files = summary["files"][split]
@@ -507,14 +648,17 @@ def format_summary(summary: dict) -> str:
 def build_parser() -> ArgumentParser:
     """The CLI's argument parser (flags mirror :func:`convert`; usage errors are one ``error:`` line)."""
     p = ArgumentParser(prog="python -m tools.convert_era5",
-                       description="Convert ERA5-style netCDF to train/, valid/, stats/ HDF5 layout.")
-    p.add_argument("--input", required=True, help="netCDF file (CDS or WeatherBench2 style)")
+                       description="Convert ERA5-style netCDF, GRIB or zarr to train/, valid/, stats/ HDF5 "
+                                   "layout.")
+    p.add_argument("--input", required=True,
+                   help="netCDF file, GRIB file (needs pip install -e '.[grib]') or zarr store folder")
     p.add_argument("--out", required=True, help="output dataset folder")
     p.add_argument("--variables", nargs="+", required=True, help="variables, e.g. t z t2m (channel order)")
     p.add_argument("--levels", nargs="+", type=float, default=None,
                    help="pressure levels for level variables, e.g. 850 500 (default: all in the file)")
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--valid_start", default=None, help="ISO time; steps at or after it are validation")
+    split.add_argument("--valid_start", default=None,
+                       help="ISO time in the input's calendar; steps at or after it are validation")
     split.add_argument("--valid_fraction", type=float, default=None,
                        help="fraction of the last time steps used for validation (default 0.5)")
     p.add_argument("--members", default="all", help="ensemble members: all (default) or numbers like 0 or 0,3")

@@ -9,7 +9,12 @@ Layout (read by ``utils/data_loader.py``)::
 
 Each ``.h5`` file holds ``fields`` (T, C, H, W) float32 chunked one time step per chunk with
 attributes ``channel_names`` and ``dt_hours``, ``latitude`` (H,) float64 descending and
-``longitude`` (W,) float64 ascending.
+``longitude`` (W,) float64 ascending. Optional attributes of ``fields``: ``start_time``, the
+ISO 8601-like time of step 0 (``2001-02-30T06:00:00`` is valid in a 360-day calendar), and
+``calendar``, the CF calendar that ``start_time`` and ``dt_hours`` are counted in (``standard``,
+``proleptic_gregorian``, ``noleap``, ``360_day``, ...; as cftime names it, so ``365_day`` is stored
+as ``noleap`` and ``gregorian`` as ``standard``). The converter always writes both; a file without
+``calendar`` (e.g. synthetic data) is in the standard calendar.
 
 Both ``tools/make_synthetic_data.py`` and ``tools/convert_era5.py`` write through this module so
 that the two produce byte-for-byte the same kind of files and statistics.
@@ -33,6 +38,7 @@ LONGITUDE = "longitude"
 ATTR_CHANNEL_NAMES = "channel_names"
 ATTR_DT_HOURS = "dt_hours"
 ATTR_START_TIME = "start_time"  # optional, ISO 8601 time of fields[0]
+ATTR_CALENDAR = "calendar"  # optional, CF calendar of start_time; absent means standard
 
 # folder and file names of the layout
 TRAIN = "train"
@@ -122,6 +128,8 @@ class FieldFileWriter:
         n_steps: T, number of time steps the file will hold.
         dt_hours: hours between consecutive time steps (> 0).
         start_time: optional ISO 8601 time of step 0, stored as attribute ``start_time``.
+        calendar: optional CF calendar name of ``start_time`` (e.g. ``"360_day"``), stored as
+            attribute ``calendar``.
 
     Raises:
         LayoutError: inconsistent shapes, unsorted coordinates, ``n_steps < 1`` or ``dt_hours <= 0``,
@@ -129,7 +137,8 @@ class FieldFileWriter:
     """
 
     def __init__(self, path: str | Path, channel_names: Sequence[str], latitude: np.ndarray,
-                 longitude: np.ndarray, n_steps: int, dt_hours: float, start_time: str | None = None):
+                 longitude: np.ndarray, n_steps: int, dt_hours: float, start_time: str | None = None,
+                 calendar: str | None = None):
         lat = np.asarray(latitude, dtype=np.float64)
         lon = np.asarray(longitude, dtype=np.float64)
         _check_grid(lat, lon)
@@ -146,12 +155,12 @@ class FieldFileWriter:
         except OSError as exc:
             raise LayoutError(f"cannot create {self._tmp} ({one_line(exc)}); pass a writable --out") from None
         try:
-            self._fields = self._create(channel_names, lat, lon, dt_hours, start_time)
+            self._fields = self._create(channel_names, lat, lon, dt_hours, start_time, calendar)
         except BaseException:
             self.close(ok=False)
             raise
 
-    def _create(self, channel_names, lat, lon, dt_hours, start_time) -> h5py.Dataset:
+    def _create(self, channel_names, lat, lon, dt_hours, start_time, calendar) -> h5py.Dataset:
         # one time step per chunk: the loader reads single steps; no compression for speed
         ds = self._file.create_dataset(FIELDS, shape=self.shape, dtype=np.float32,
                                        chunks=(1, *self.shape[1:]))
@@ -159,6 +168,8 @@ class FieldFileWriter:
         ds.attrs[ATTR_DT_HOURS] = float(dt_hours)
         if start_time is not None:
             ds.attrs[ATTR_START_TIME] = str(start_time)
+        if calendar is not None:
+            ds.attrs[ATTR_CALENDAR] = str(calendar)
         self._file.create_dataset(LATITUDE, data=lat)
         self._file.create_dataset(LONGITUDE, data=lon)
         return ds
