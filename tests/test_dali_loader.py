@@ -28,12 +28,13 @@ CPU = torch.device("cpu")
 BATCH = 8  # the tiny_data set has 94 train / 47 valid samples: neither splits into whole batches
 
 
-def make_data(path, loader: str, dp_rank: int = 0, dp_size: int = 1, **overrides):
+def make_data(path, loader: str, dp_rank: int = 0, dp_size: int = 1, valid_target_steps: int = 1, **overrides):
     ov = {"data_path": str(path), "data_loader_config": loader,
           "num_data_workers": "2" if loader == "dali" else "0"}
     ov.update({k: str(v) for k, v in overrides.items()})
     cfg = load_config(REPO / "config" / "ViT.yaml", "tiny", ov)
-    return build_data(cfg.data, BATCH, dp_rank, dp_size, CPU, seed=cfg.optim.seed)
+    return build_data(cfg.data, BATCH, dp_rank, dp_size, CPU, seed=cfg.optim.seed,
+                      valid_target_steps=valid_target_steps)
 
 
 def epoch_batches(batches, epoch: int | None = None, limit: int | None = None) -> list:
@@ -52,6 +53,7 @@ def assert_same(dali: list, native: list, what: str) -> None:
     for i, ((inp, tar, idx), (n_inp, n_tar, n_idx)) in enumerate(zip(dali, native)):
         assert idx.dtype == torch.int64 and idx.device == CPU
         assert torch.equal(idx, torch.as_tensor(n_idx)), f"{what} batch {i}: indices {idx} vs {n_idx}"
+        assert inp.shape == n_inp.shape and inp.ndim == 4 and tar.shape == n_tar.shape and tar.ndim == 5
         for name, a, b in (("input", inp, n_inp), ("target", tar, n_tar)):
             assert a.dtype == torch.float32 and a.device == CPU
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what} batch {i} {name}: {m}")
@@ -168,6 +170,20 @@ def test_start_batch_resumes_mid_epoch(loaders):
     for bad in (-1, n + 1):
         with pytest.raises(ValueError, match=rf"start_batch must be in \[0, {n}\]"):
             train.set_epoch(9, bad)
+
+
+def test_several_target_steps_equal_native_batches(tiny_data):
+    """Validation samples with 3 targets: ``(B, 3, C, H, W)`` targets, as the native loader's."""
+    dali = make_data(tiny_data, "dali", num_data_workers=1, valid_target_steps=3)
+    native = make_data(tiny_data, "pytorch", valid_target_steps=3)
+    try:
+        got = epoch_batches(dali.valid)
+        assert got[0][1].shape == (BATCH, 3, 4, 32, 64)
+        assert len(dali.valid.dataset) == 47 - 2  # 48 time steps, 3 targets each
+        assert_same(got, epoch_batches(native.valid), "valid, 3 targets")
+        assert not torch.equal(got[0][1][:, 0], got[0][1][:, 1])  # distinct lead times
+    finally:
+        dali.valid.close()
 
 
 def test_close_ends_the_worker_processes(loaders):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from utils.config import load_config
-from utils.data_loader import Data, ERA5Dataset, Stats, build_data, equiangular_latitudes, read_metadata
+from utils.data_loader import (Data, ERA5Dataset, Stats, SyntheticBatches, build_data, equiangular_latitudes,
+                               read_metadata, split_batches)
 from utils.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,12 +91,14 @@ def crop(a):
     return a[..., :IMG[0], :IMG[1]]
 
 
-def build(root: Path, batch_size: int = 1, dp_rank: int = 0, dp_size: int = 1, **overrides) -> Data:
+def build(root: Path, batch_size: int = 1, dp_rank: int = 0, dp_size: int = 1, valid_target_steps: int = 1,
+          **overrides) -> Data:
     """``build_data`` for the `tiny` config on ``root`` with config ``overrides`` (as on the command line)."""
     ov = {"data_path": str(root), "num_data_workers": "0"}
     ov.update({k: str(v) for k, v in overrides.items()})
     cfg = load_config(REPO / "config" / "ViT.yaml", "tiny", ov)
-    return build_data(cfg.data, batch_size, dp_rank, dp_size, CPU, seed=cfg.optim.seed)
+    return build_data(cfg.data, batch_size, dp_rank, dp_size, CPU, seed=cfg.optim.seed,
+                      valid_target_steps=valid_target_steps)
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +119,9 @@ def test_dataset_returns_the_right_pairs(layout, dt):
     for index, (f, t) in enumerate(pairs):
         inp, tar, idx = ds[index]
         assert idx == index
-        assert inp.dtype == torch.float32 and inp.shape == (C, *IMG) and tar.shape == (C, *IMG)
+        assert inp.dtype == tar.dtype == torch.float32 and inp.shape == (C, *IMG) and tar.shape == (1, C, *IMG)
         np.testing.assert_array_equal(inp.numpy(), crop(files["train"][f][t]))
-        np.testing.assert_array_equal(tar.numpy(), crop(files["train"][f][t + dt]))
+        np.testing.assert_array_equal(tar[0].numpy(), crop(files["train"][f][t + dt]))
         assert ds.locate(index) == (f, t)
     with pytest.raises(IndexError):
         ds[len(pairs)]
@@ -130,7 +133,7 @@ def test_dataset_limit_nsamples(layout):
     root, files, _ = layout
     ds = ERA5Dataset(root / "train", C, IMG, 1, limit_nsamples=3)
     assert len(ds) == 3
-    np.testing.assert_array_equal(ds[2][1].numpy(), crop(files["train"][0][3]))
+    np.testing.assert_array_equal(ds[2][1][0].numpy(), crop(files["train"][0][3]))
     with pytest.raises(IndexError):
         ds[3]
     # a limit above the number of samples changes nothing
@@ -163,12 +166,12 @@ def test_build_data_valid_batches_are_normalized_pairs(layout):
     pairs = expected_pairs(files["valid"], 1)
     seen = []
     for inp, tar, idx in data.valid:
-        assert inp.shape[1:] == (C, *IMG) and inp.dtype == torch.float32
+        assert inp.shape[1:] == (C, *IMG) and inp.dtype == torch.float32 and tar.shape[1:] == (1, C, *IMG)
         for k, i in enumerate(idx.tolist()):
             f, t = pairs[i]
             fields = files["valid"][f]
             np.testing.assert_allclose(inp[k].numpy(), (crop(fields[t]) - mean[0]) / std[0], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(tar[k].numpy(), (crop(fields[t + 1]) - mean[0]) / std[0], rtol=1e-5,
+            np.testing.assert_allclose(tar[k, 0].numpy(), (crop(fields[t + 1]) - mean[0]) / std[0], rtol=1e-5,
                                        atol=1e-6)
             seen.append(i)
     assert seen == list(range(len(pairs)))  # validation: in order, every sample, last partial batch kept
@@ -180,12 +183,12 @@ def test_build_data_train_batches_are_normalized_pairs(layout):
     pairs = expected_pairs(files["train"], 2)
     n = 0
     for inp, tar, idx in data.train:
-        assert inp.shape == (2, C, *IMG)  # drop_last: full batches only
+        assert inp.shape == (2, C, *IMG) and tar.shape == (2, 1, C, *IMG)  # drop_last: full batches only
         for k, i in enumerate(idx.tolist()):
             f, t = pairs[i]
             fields = files["train"][f]
             np.testing.assert_allclose(inp[k].numpy(), (crop(fields[t]) - mean[0]) / std[0], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(tar[k].numpy(), (crop(fields[t + 2]) - mean[0]) / std[0], rtol=1e-5,
+            np.testing.assert_allclose(tar[k, 0].numpy(), (crop(fields[t + 2]) - mean[0]) / std[0], rtol=1e-5,
                                        atol=1e-6)
             n += 1
     assert n == 4 == data.train_samples
@@ -328,10 +331,10 @@ def test_synthetic_loader_shapes(tmp_path, dp_size):
     batches = list(data.train)
     assert len(batches) == steps
     for inp, tar, idx in batches:
-        assert inp.shape == tar.shape == (4, C, *IMG)
-        assert inp.dtype == torch.float32
+        assert inp.shape == (4, C, *IMG) and tar.shape == (4, 1, C, *IMG)
+        assert inp.dtype == tar.dtype == torch.float32
         assert len(idx) == 4
-    assert not torch.equal(batches[0][0], batches[0][1])
+    assert not torch.equal(batches[0][0], batches[0][1][:, 0])
     assert len(data.valid) == -(-128 // (4 * dp_size))  # limit_nsamples_val null -> 128
     assert data.train_samples == steps * 4 * dp_size
     assert data.channel_names == [f"c{i}" for i in range(C)]
@@ -570,7 +573,7 @@ def test_find_nonfinite_names_file_and_time(tmp_path):
         data.find_nonfinite([0], split="test")
     # the NaN/Inf does reach the batches that contain those samples, and only those
     for inp, tar, idx in data.valid:
-        assert bool((~torch.isfinite(torch.cat([inp, tar]))).any()) == (idx.item() == 2)
+        assert bool((~torch.isfinite(torch.cat([inp.flatten(), tar.flatten()]))).any()) == (idx.item() == 2)
     data.train.set_epoch(0)
     for inp, tar, idx in data.train:
         has_nan = bool(torch.isnan(inp).any() or torch.isnan(tar).any())
@@ -587,3 +590,207 @@ def test_close_ends_the_worker_processes(tiny_data):
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert multiprocessing.active_children() == []
+
+
+# ---------------------------------------------------------------- several target steps (rollout evaluation)
+ROLLOUT_VALID = (7, 6)  # time steps of valid/2005.h5 and valid/2006.h5 in `rollout_layout`
+
+
+@pytest.fixture(scope="module")
+def rollout_layout(tmp_path_factory):
+    root = tmp_path_factory.mktemp("era5_rollout")
+    _, stats = make_layout(root, train_lengths=(9, 8), valid_lengths=ROLLOUT_VALID)
+    return root, stats
+
+
+def h5_state(path: Path, t: int) -> np.ndarray:
+    """The cropped state at time ``t`` of ``path``, read with h5py (independently of the loader)."""
+    with h5py.File(path, "r") as f:
+        return f["fields"][t, :, :IMG[0], :IMG[1]]
+
+
+@pytest.mark.parametrize("dt,init_every,times", [
+    # (file, input time) of every sample of train/ (9 and 8 time steps) with 3 targets
+    (1, 1, [(0, t) for t in range(6)] + [(1, t) for t in range(5)]),
+    (2, 1, [(0, t) for t in range(3)] + [(1, t) for t in range(2)]),
+    (1, 4, [(0, 0), (0, 4), (1, 0), (1, 4)]),  # 6 and 5 initial times, every 4th
+    (1, 6, [(0, 0), (1, 0)]),
+])
+def test_dataset_with_three_target_steps(rollout_layout, dt, init_every, times):
+    root, _ = rollout_layout
+    ds = ERA5Dataset(root / "train", C, IMG, dt, target_steps=3, init_every=init_every)
+    assert len(ds) == len(times)
+    paths = [f.path for f in ds.files]
+    for index, (f, t) in enumerate(times):
+        assert ds.locate(index) == (f, t)
+        inp, tar, idx = ds[index]
+        assert idx == index and inp.dtype == tar.dtype == torch.float32
+        assert inp.shape == (C, *IMG) and tar.shape == (3, C, *IMG)
+        np.testing.assert_array_equal(inp.numpy(), h5_state(paths[f], t))
+        for j in range(1, 4):  # tar[j - 1] is j*dt after the input
+            np.testing.assert_array_equal(tar[j - 1].numpy(), h5_state(paths[f], t + j * dt))
+    with pytest.raises(IndexError):
+        ds[len(times)]
+
+
+def test_dataset_limit_applies_after_init_every(rollout_layout):
+    root, _ = rollout_layout
+    ds = ERA5Dataset(root / "train", C, IMG, 1, limit_nsamples=3, target_steps=2, init_every=3)
+    assert len(ds) == 3 and [ds.locate(i) for i in range(3)] == [(0, 0), (0, 3), (0, 6)]
+
+
+def test_describe_with_several_targets(rollout_layout):
+    root, _ = rollout_layout
+    ds = ERA5Dataset(root / "valid", C, IMG, 1, target_steps=4, init_every=2)
+    assert ds.describe(1) == "valid/2005.h5 time 2 -> 3..6"
+    assert ds.describe(2) == "valid/2006.h5 time 0 -> 1..4"
+    ds2 = ERA5Dataset(root / "train", C, IMG, 2, target_steps=3)
+    assert ds2.describe(1) == "train/2000.h5 time 1 -> 3..7 every 2"
+
+
+@pytest.mark.parametrize("kwargs", [{"target_steps": 0}, {"init_every": 0}, {"target_steps": -1}])
+def test_dataset_rejects_bad_counts(rollout_layout, kwargs):
+    root, _ = rollout_layout
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ERA5Dataset(root / "train", C, IMG, 1, **kwargs)
+
+
+@pytest.mark.parametrize("dt,steps,fix", [(1, 3, "use at most 2 rollout steps"), (2, 2, "use at most 1 rollout steps"),
+                                          (3, 2, "lower --dt")])
+def test_files_too_short_for_the_rollout(layout, dt, steps, fix):
+    root, _, _ = layout  # train/2001.h5 has 3 time steps
+    with pytest.raises(UserError, match=rf"2001\.h5 has 3 time steps, too few for {steps} rollout steps of "
+                                        rf"dt={dt} \({steps * dt + 1} needed\); {fix}\Z"):
+        ERA5Dataset(root / "train", C, IMG, dt, target_steps=steps)
+
+
+def normalized(x, stats: Stats) -> torch.Tensor:
+    """``(x - mean) / std`` in float32, the loaders' own arithmetic."""
+    return (torch.as_tensor(x) - stats.mean[0]) / stats.std[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_batches_with_three_targets_match_the_dataset(rollout_layout, workers):
+    root, _ = rollout_layout
+    data = build(root, 2, num_data_workers=workers, valid_target_steps=3)
+    ds = data.valid_dataset
+    assert ds.target_steps == 3 and len(ds) == 4 + 3 and data.train_dataset.target_steps == 1
+    seen = []
+    for inp, tar, idx in data.valid:
+        assert inp.shape[1:] == (C, *IMG) and tar.shape == (len(idx), 3, C, *IMG) and tar.dtype == torch.float32
+        for b, i in enumerate(idx.tolist()):
+            x, y, _ = ds[i]
+            assert torch.equal(inp[b], normalized(x, data.stats))
+            assert torch.equal(tar[b], normalized(y, data.stats))
+            seen.append(i)
+    assert seen == list(range(7))
+    inp, tar, _ = next(iter(data.train))
+    assert tar.shape == (2, 1, C, *IMG)
+    data.close()
+
+
+def test_training_batches_are_unchanged_with_one_target(rollout_layout, monkeypatch):
+    """k = 1 (training): the slot holds input and one target only, each read once, and the batch
+    values are today's ``(x_t - mean) / std`` and ``(x_{t+dt} - mean) / std``, exactly."""
+    root, _ = rollout_layout
+    data = build(root, 2, dt=2, valid_target_steps=2)
+    assert data.train.slots.buf.shape[1:] == (2, 2, C, *IMG)  # (1 + k, B, C, H, W): nothing extra
+    reads = []
+    read = ERA5Dataset.read
+
+    def counted(self, file_no, t, out=None):
+        reads.append((file_no, t))
+        return read(self, file_no, t, out)
+
+    monkeypatch.setattr(ERA5Dataset, "read", counted)
+    ds = data.train_dataset
+    paths = [f.path for f in ds.files]
+    data.train.set_epoch(1)
+    n = 0
+    for inp, tar, idx in data.train:
+        assert tar.shape == (2, 1, C, *IMG) and tar[:, 0].is_contiguous()
+        for b, i in enumerate(idx.tolist()):
+            f, t = ds.locate(i)
+            assert torch.equal(inp[b], normalized(h5_state(paths[f], t), data.stats))
+            assert torch.equal(tar[b, 0], normalized(h5_state(paths[f], t + 2), data.stats))
+            n += 1
+    assert n == 12 and len(reads) == 2 * n  # 13 samples, the incomplete last batch dropped
+
+
+def test_synthetic_batches_with_several_targets(tmp_path):
+    data = build(tmp_path / "nothing_here", 4, data_loader_config="synthetic", limit_nsamples=16,
+                 valid_target_steps=3)
+    inp, tar, idx = next(iter(data.valid))
+    assert inp.shape == (4, C, *IMG) and tar.shape == (4, 3, C, *IMG) and tar.dtype == torch.float32
+    assert idx.dtype == torch.int64 and idx.shape == (4,)
+    assert not torch.equal(tar[:, 0], tar[:, 1]) and not torch.equal(tar[:, 1], tar[:, 2])
+    assert next(iter(data.train))[1].shape == (4, 1, C, *IMG)
+    with pytest.raises(ValueError, match="target_steps"):
+        SyntheticBatches(1, 4, C, IMG, CPU, target_steps=0)
+
+
+def test_synthetic_training_batches_are_unchanged_with_one_target():
+    """The single target is the second tensor drawn from the seed, as before targets had a step axis."""
+    inp, tar, _ = next(iter(SyntheticBatches(1, 2, C, IMG, CPU, seed=5)))
+    gen = torch.Generator().manual_seed(5)
+    want_inp, want_tar = (torch.randn((2, C, *IMG), generator=gen) for _ in range(2))
+    assert torch.equal(inp, want_inp) and torch.equal(tar[:, 0], want_tar)
+
+
+def data_config(root: Path, **overrides):
+    ov = {"data_path": str(root), "num_data_workers": "0", **{k: str(v) for k, v in overrides.items()}}
+    return load_config(REPO / "config" / "ViT.yaml", "tiny", ov).data
+
+
+def test_split_batches_shards_in_a_fixed_order(rollout_layout):
+    root, _ = rollout_layout
+    cfg = data_config(root)
+    stats = Stats.load(root / "stats", C, IMG, CPU)
+    got = {}
+    for rank in range(2):
+        batches, ds = split_batches(cfg, "valid", 3, rank, 2, CPU, target_steps=2, stats=stats)
+        assert len(ds) == 5 + 4 and ds.target_steps == 2
+        passes = [take(batches) for _ in range(2)]
+        batches.set_epoch(3)  # the epoch does not change the order
+        passes.append(take(batches))
+        for other in passes[1:]:
+            assert_batches_equal(other, passes[0])
+        got[rank] = [i for _, _, idx in passes[0] for i in idx.tolist()]
+        assert [len(idx) for _, _, idx in passes[0]] == [3, 1]  # the last incomplete batch is kept
+        for inp, tar, idx in passes[0]:
+            assert tar.shape == (len(idx), 2, C, *IMG)
+            for b, i in enumerate(idx.tolist()):
+                x, y, _ = ds[i]
+                assert torch.equal(inp[b], normalized(x, stats)) and torch.equal(tar[b], normalized(y, stats))
+        batches.close()
+    assert got == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}  # interleaved, the odd sample 8 dropped: equal counts
+
+
+def test_split_batches_init_every(rollout_layout):
+    root, _ = rollout_layout
+    cfg = data_config(root)
+    batches, ds = split_batches(cfg, "train", 4, 0, 1, CPU, target_steps=1, init_every=3,
+                                stats=Stats.identity(C, IMG, CPU))
+    assert [ds.locate(i) for i in range(len(ds))] == [(0, 0), (0, 3), (0, 6), (1, 0), (1, 3), (1, 6)]
+    assert [idx.tolist() for _, _, idx in batches] == [[0, 1, 2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("dp_size,steps,problem", [
+    (1, 6, r"valid/2006\.h5 has 6 time steps, too few for 6 rollout steps of dt=1 \(7 needed\); "
+           r"use at most 5 rollout steps"),
+    (4, 5, r"the valid split .*valid has 3 sample\(s\) for 4 data-parallel ranks"),
+])
+def test_split_batches_errors(rollout_layout, dp_size, steps, problem):
+    root, _ = rollout_layout
+    with pytest.raises(UserError, match=problem):
+        split_batches(data_config(root), "valid", 1, 0, dp_size, CPU, target_steps=steps,
+                      stats=Stats.identity(C, IMG, CPU))
+
+
+def test_find_nonfinite_checks_every_target_step(rollout_layout, tmp_path):
+    make_layout(tmp_path, valid_lengths=ROLLOUT_VALID)
+    with h5py.File(tmp_path / "valid" / "2005.h5", "r+") as f:
+        f["fields"][5, 1, 0, 0] = np.nan  # the third target of time 2, the second of time 3
+    data = build(tmp_path, valid_target_steps=3)
+    assert data.find_nonfinite(range(7), split="valid") == ["valid/2005.h5 time 2 -> 3..5",
+                                                            "valid/2005.h5 time 3 -> 4..6"]

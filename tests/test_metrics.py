@@ -1,4 +1,4 @@
-"""Tests of utils/metrics.py against plain NumPy reference implementations (float64)."""
+"""Tests of utils/metrics.py against plain NumPy and xarray reference implementations (float64)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.metrics import latitude_weights, relative_l2_loss, weighted_acc_channels, weighted_rmse_channels
+from utils.metrics import latitude_weights, relative_l2_loss, rmse_from_mse, weighted_acc_channels, weighted_mse_channels
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -21,11 +21,19 @@ def ref_relative_l2(pred: np.ndarray, target: np.ndarray) -> float:
 
 
 def ref_latitude_weights(lat_deg: np.ndarray) -> np.ndarray:
-    c = np.array([max(0.0, np.cos(np.pi * x / 180.0)) for x in lat_deg])
-    return c / c.mean()
+    """WeatherBench 2's cell areas: a row reaches half-way to its neighbours (an outer row as far beyond
+    as its inner neighbour is), clipped at the poles."""
+    lat, n, out = list(lat_deg), len(lat_deg), []
+    for i in range(n):
+        before = lat[i] - (lat[1] - lat[0]) if i == 0 else lat[i - 1]
+        after = lat[i] + (lat[-1] - lat[-2]) if i == n - 1 else lat[i + 1]
+        a, b = (min(max(x, -90.0), 90.0) for x in ((before + lat[i]) / 2, (lat[i] + after) / 2))
+        out.append(abs(np.sin(np.radians(b)) - np.sin(np.radians(a))))
+    out = np.array(out)
+    return out / out.mean()
 
 
-def ref_weighted_rmse(pred, target, w):
+def ref_weighted_mse(pred, target, w):
     b, c, h, wd = pred.shape
     out = np.zeros((b, c))
     for i in range(b):
@@ -33,8 +41,13 @@ def ref_weighted_rmse(pred, target, w):
             acc = 0.0
             for k in range(h):
                 acc += w[k] * np.sum((pred[i, j, k] - target[i, j, k]) ** 2)
-            out[i, j] = np.sqrt(acc / (h * wd))
+            out[i, j] = acc / (h * wd)
     return out
+
+
+def weighted_rmse(pred, target, w):
+    """Per-sample RMSE through the module's MSE."""
+    return weighted_mse_channels(pred, target, w).sqrt()
 
 
 def ref_weighted_acc(pred, target, clim, w):
@@ -89,7 +102,7 @@ def test_relative_l2_under_bf16_inputs_is_fp32():
 
 # ---------------------------------------------------------------- latitude weights
 @pytest.mark.parametrize("lat", [np.linspace(90, -90, 19), np.linspace(88.5, -88.5, 60),
-                                 np.array([10.0, 20.0, 45.0, 70.0])])
+                                 np.array([10.0, 20.0, 30.0, 40.0]), np.linspace(-90, 90, 7)])
 def test_latitude_weights_match_reference(lat):
     w = latitude_weights(lat)
     assert w.dtype == torch.float32 and w.shape == (len(lat),)
@@ -97,37 +110,52 @@ def test_latitude_weights_match_reference(lat):
     assert w.double().mean().item() == pytest.approx(1.0, abs=1e-6)
 
 
-def test_latitude_weights_symmetric_grid():
+def test_latitude_weights_are_cell_areas_not_cosines():
     lat = np.linspace(90, -90, 37)
     w = latitude_weights(lat).numpy()
-    np.testing.assert_allclose(w, w[::-1], rtol=0, atol=1e-7)
-    assert w.mean() == pytest.approx(1.0, abs=1e-6)
-    assert np.all(w >= 0)
-    assert w[0] == pytest.approx(0.0, abs=1e-6) and w[-1] == pytest.approx(0.0, abs=1e-6)  # poles
-    assert np.argmax(w) == 18  # equator
-    assert w[18] > 1.0
+    np.testing.assert_allclose(w, w[::-1], rtol=0, atol=1e-6)
+    assert np.argmax(w) == 18 and w[18] > 1.0  # equator
+    # a pole row is half a cell, a polar cap: sin(90) - sin(87.5) of the 5-degree grid, not cos(90) = 0
+    cap = 1 - np.sin(np.radians(87.5))
+    band = np.sin(np.radians(2.5)) - np.sin(np.radians(-2.5))
+    assert w[0] / w[18] == pytest.approx(cap / band, rel=1e-5)
+    # away from the poles, the area of a cell is cos(lat) times its height, to second order
+    np.testing.assert_allclose(w[3:-3] / w[18], np.cos(np.radians(lat[3:-3])), rtol=2e-3)
 
 
-# ---------------------------------------------------------------- RMSE
-def test_weighted_rmse_matches_reference():
+@pytest.mark.parametrize("lat", [np.array([10.0]), np.array([10.0, 10.0, 5.0]), np.array([95.0, 0.0])])
+def test_latitude_weights_reject_unusable_rows(lat):
+    with pytest.raises(ValueError, match="latitudes"):
+        latitude_weights(lat)
+
+
+# ---------------------------------------------------------------- MSE and RMSE
+def test_weighted_mse_matches_reference():
     rng = np.random.default_rng(2)
     pred, target = rand(rng, 2, 3, 6, 5), rand(rng, 2, 3, 6, 5)
     lat = np.linspace(80, -80, 6)
     w = latitude_weights(lat)
-    got = weighted_rmse_channels(torch.from_numpy(pred), torch.from_numpy(target), w)
+    got = weighted_mse_channels(torch.from_numpy(pred), torch.from_numpy(target), w)
     assert got.shape == (2, 3) and got.dtype == torch.float32
-    np.testing.assert_allclose(got.numpy(), ref_weighted_rmse(pred, target, w.double().numpy()), **TOL)
+    np.testing.assert_allclose(got.numpy(), ref_weighted_mse(pred, target, w.double().numpy()), **TOL)
+
+
+def test_rmse_averages_mse_over_initial_times_before_the_root():
+    # WeatherBench 2: sqrt(mean_t MSE_t), not mean_t sqrt(MSE_t)
+    mse = torch.tensor([[1.0], [9.0]])
+    assert rmse_from_mse(mse.sum(0), 2).item() == pytest.approx(np.sqrt(5.0))
+    assert rmse_from_mse(mse.sum(0), 2).item() != pytest.approx(mse.sqrt().mean().item())
 
 
 def test_weighted_rmse_zero_for_identical_and_unweighted_case():
     rng = np.random.default_rng(3)
     x = torch.from_numpy(rand(rng, 2, 2, 4, 3))
     w = latitude_weights(np.linspace(60, -60, 4))
-    assert torch.count_nonzero(weighted_rmse_channels(x, x, w)) == 0
+    assert torch.count_nonzero(weighted_rmse(x, x, w)) == 0
     # with unit weights it is the plain RMSE; a constant error e gives RMSE |e|
     ones = torch.ones(4)
-    np.testing.assert_allclose(weighted_rmse_channels(x + 0.25, x, ones).numpy(), 0.25, rtol=1e-5)
-    np.testing.assert_allclose(weighted_rmse_channels(x - 0.25, x, w).numpy(), 0.25, rtol=1e-5)
+    np.testing.assert_allclose(weighted_rmse(x + 0.25, x, ones).numpy(), 0.25, rtol=1e-5)
+    np.testing.assert_allclose(weighted_rmse(x - 0.25, x, w).numpy(), 0.25, rtol=1e-5)
 
 
 def test_weighted_rmse_downweights_polar_errors():
@@ -135,10 +163,10 @@ def test_weighted_rmse_downweights_polar_errors():
     w = latitude_weights(np.linspace(90, -90, h))
     t = torch.zeros(1, 1, h, 4)
     pole, eq = t.clone(), t.clone()
-    pole[..., 0, :] = 1.0  # error only on the north-pole row (weight 0)
+    pole[..., 0, :] = 1.0  # error only on the north-pole row (a small cap)
     eq[..., h // 2, :] = 1.0  # error only on the equator row
-    assert weighted_rmse_channels(pole, t, w).item() == pytest.approx(0.0, abs=1e-4)
-    assert weighted_rmse_channels(eq, t, w).item() > weighted_rmse_channels(eq, t, torch.ones(h)).item()
+    assert weighted_rmse(pole, t, w).item() < 0.3 * weighted_rmse(eq, t, w).item()
+    assert weighted_rmse(eq, t, w).item() > weighted_rmse(eq, t, torch.ones(h)).item()
 
 
 # ---------------------------------------------------------------- ACC

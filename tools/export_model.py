@@ -18,7 +18,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from distributed.checkpoint import (describe_exception, folder_step, is_complete, load_candidates, save_file,
@@ -28,6 +30,7 @@ from utils.config import load_config, read_yaml
 from utils.errors import ArgumentParser, UserError, exit_status
 from utils.schema import Config
 
+FINAL_MODEL = "model.pt"  # the trainer's single-file model at the end of a run
 RUN_DIR_HINT = "pass a run directory written by train.py (<expdir>/<config>/<N>GPU/<run_num>)"
 
 
@@ -69,6 +72,41 @@ def pick_checkpoint(directory: Path, step: int | None) -> Path:
     return folder
 
 
+def load_checkpoint_model(run_dir: Path, cfg: Config, step: int | None = None,
+                          path: Path | None = None) -> tuple[nn.Module, int]:
+    """The plain model of ``cfg`` (on the CPU) with the weights of one of ``run_dir``'s checkpoints, and
+    its optimizer step.
+
+    ``path``: a sharded checkpoint folder or a single file written by this tool or the trainer
+    (``checkpoints/model.pt``); else the sharded checkpoint of ``step`` (default: the latest, or
+    ``checkpoints/model.pt`` when the run kept no sharded one).
+
+    Raises:
+        UserError: no such checkpoint, or one that does not load into the config's model.
+    """
+    model = build_model(cfg.model, cfg.data)
+    if path is None:
+        final = run_dir / "checkpoints" / FINAL_MODEL
+        use_final = step is None and not load_candidates(run_dir / "checkpoints") and final.is_file()
+        path = final if use_final else pick_checkpoint(run_dir / "checkpoints", step)
+    elif path.is_dir() and not is_complete(path):
+        raise UserError(f"{path} is not a complete sharded checkpoint; pass a step_* folder with its .metadata, "
+                        "or a .pt file written by python -m tools.export_model")
+    try:
+        if path.is_dir():  # the key layout CheckpointManager saved: {"model": <plain model state_dict>, ...}
+            state = {"model": model.state_dict()}
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+            n = folder_step(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            n = int(state.get("step", -1))
+        model.load_state_dict(state["model"])
+    except (Exception, CheckpointException) as exc:
+        raise UserError(f"checkpoint {path} does not load into the model of {run_dir / 'config.yaml'} "
+                        f"({describe_exception(exc)}); pick another with --step") from None
+    return model, n
+
+
 def export_model(run_dir: Path, step: int | None = None, out: Path | None = None) -> tuple[Path, int]:
     """Write the model of ``run_dir``'s checkpoint at ``step`` (default: the latest) to ``out``
     (default ``<run_dir>/checkpoints/model_step_<N>.pt``); returns ``(out, N)``.
@@ -79,18 +117,9 @@ def export_model(run_dir: Path, step: int | None = None, out: Path | None = None
     """
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
-    folder = pick_checkpoint(run_dir / "checkpoints", step)
-    model = build_model(cfg.model, cfg.data)
-    # the key layout CheckpointManager saved: {"model": <plain model state_dict>, "optim": ..., ...}
-    state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
-    except (Exception, CheckpointException) as exc:
-        raise UserError(f"checkpoint {folder} does not load into the model of {run_dir / 'config.yaml'} "
-                        f"({describe_exception(exc)}); pick another with --step") from None
-    n = folder_step(folder)
+    model, n = load_checkpoint_model(run_dir, cfg, step, pick_checkpoint(run_dir / "checkpoints", step))
     out = Path(out) if out is not None else run_dir / "checkpoints" / f"model_step_{n}.pt"
-    save_file({"model": state["model"], "step": n, "config": cfg.flat()}, out,
+    save_file({"model": model.state_dict(), "step": n, "config": cfg.flat()}, out,
               "free space or pass --out on a larger filesystem")
     return out, n
 

@@ -4,8 +4,8 @@ Each data-parallel rank runs one DALI pipeline per split (train, valid), built l
 iteration::
 
     fn.external_source(parallel=True, batch=False)   per-sample callback in py_num_workers spawned
-        |  raw float32 (C, H, W) input, target, int64 index,    processes, reading HDF5 with h5py
-        |  uint8 read error (empty: none)
+        |  raw float32 (C, H, W) input, (k, C, H, W) targets,   processes, reading HDF5 with h5py
+        |  int64 index, uint8 read error (empty: none)
         |  .gpu()                                        on CUDA only
         v  (x - mean) / std                              DALI arithmetic, mean/std (C, 1, 1) constants
     torch tensors via DLPack (no copy: the dynamic executor gives every batch its own buffers)
@@ -17,7 +17,8 @@ message, UTF-8) as a fourth output instead, and the loader raises it as a one-li
 Equality with the native loader holds by construction: the callback takes the sample order
 from the native loader's sampler (``utils.data_loader.make_sampler``: same seed, ``set_epoch``),
 splits it into batches with the same last-batch policy, and reads samples with the same
-``ERA5Dataset.locate``/``read``.
+``ERA5Dataset.read_sample``. Batches are ``(inp (B, C, H, W), tar (B, k, C, H, W), idx (B,))`` as
+the native loader's, ``k`` the dataset's ``target_steps``.
 
 Last batch: DALI pipelines run fixed-size batches, so an epoch is always a whole number of
 batches. Training drops the incomplete last batch (as the native ``drop_last=True``); validation
@@ -74,8 +75,9 @@ def _import_dali():
 class SampleSource:
     """Per-sample ``fn.external_source`` callback: ``SampleInfo`` -> ``(inp, tar, index, error)``.
 
-    ``inp``/``tar`` are raw float32 ``(C, H, W)`` fields of ``sampler.dataset`` (an ERA5Dataset;
-    cropped, not normalized), ``index`` a 0-d int64 array, ``error`` uint8 ``(n,)``: empty, or
+    ``inp`` float32 ``(C, H, W)`` and ``tar`` float32 ``(k, C, H, W)`` are raw fields of
+    ``sampler.dataset`` (an ERA5Dataset with ``k = target_steps``; cropped, not normalized),
+    ``index`` a 0-d int64 array, ``error`` uint8 ``(n,)``: empty, or
     the UTF-8 message of the UserError that reading the sample raised (``inp``/``tar`` are then
     zeros). The order of an epoch is the sampler's for that epoch; positions
     ``[len(sampler), n_batches * batch_size)`` are padding: zeros with index -1. The pipeline's
@@ -119,9 +121,8 @@ class SampleSource:
             return self._blank(-1, b"")
         ds = self.sampler.dataset
         index = order[pos]
-        file_no, t = ds.locate(index)
         try:
-            inp, tar = ds.read(file_no, t), ds.read(file_no, t + ds.dt)
+            inp, tar = ds.read_sample(index)
         except UserError as exc:
             return self._blank(index, str(exc).encode())
         return inp, tar, np.array(index, np.int64), NO_ERROR
@@ -130,8 +131,8 @@ class SampleSource:
         """Zero fields for sample ``index`` with read ``error`` (see the class docstring)."""
         ds = self.sampler.dataset
         shape = (ds.n_channels, *ds.img_size)
-        return (np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.array(index, np.int64),
-                np.frombuffer(error, np.uint8))
+        return (np.zeros(shape, np.float32), np.zeros((ds.target_steps, *shape), np.float32),
+                np.array(index, np.int64), np.frombuffer(error, np.uint8))
 
 
 class DaliBatches:
@@ -139,10 +140,11 @@ class DaliBatches:
 
     ``sampler`` orders and shards the samples of ``dataset`` (the native loader's, see
     ``make_sampler``); ``train`` drops the incomplete last batch, otherwise it is kept. Yields
-    ``inp``/``tar`` float32 ``(B, C, H, W)`` on ``device`` (normalized with ``stats``) and ``index``
-    int64 ``(B,)`` on the CPU; ``B`` is ``batch_size`` except for the last validation batch. On
-    CUDA the pipeline runs on ``device`` (``.gpu()``, normalization there); on the CPU it is a
-    CPU-only pipeline (``device_id=None``). Only the newest iterator of a loader may be used.
+    ``inp`` float32 ``(B, C, H, W)`` and ``tar`` float32 ``(B, k, C, H, W)`` (``k`` the dataset's
+    ``target_steps``) on ``device`` (normalized with ``stats``) and ``index`` int64 ``(B,)`` on the
+    CPU; ``B`` is ``batch_size`` except for the last validation batch. On CUDA the pipeline runs on
+    ``device`` (``.gpu()``, normalization there); on the CPU it is a CPU-only pipeline
+    (``device_id=None``). Only the newest iterator of a loader may be used.
     After ``set_epoch(epoch, start_batch)`` the next iteration yields only the batches
     ``start_batch, ..., len - 1`` of the epoch.
 
@@ -188,7 +190,7 @@ class DaliBatches:
         cuda = self.device.type == "cuda"
         device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
-        c, (h, w) = self.dataset.n_channels, self.dataset.img_size
+        c, (h, w), k = self.dataset.n_channels, self.dataset.img_size, self.dataset.target_steps
         source = SampleSource(self.sampler, batch_size=self.batch_size, n_batches=self.n_batches,
                               epoch_offset=epoch, start_batch=start_batch)
         pipe = Pipeline(batch_size=self.batch_size, num_threads=max(1, min(4, os.cpu_count() or 1)),
@@ -197,7 +199,7 @@ class DaliBatches:
         with pipe:
             inp, tar, idx, error = fn.external_source(source, num_outputs=4, batch=False, parallel=True,
                                                       prefetch_queue_depth=PREFETCH_DEPTH,
-                                                      bytes_per_sample_hint=2 * 4 * c * h * w + 64)
+                                                      bytes_per_sample_hint=(1 + k) * 4 * c * h * w + 64)
             where = "gpu" if cuda else "cpu"
             if cuda:
                 inp, tar = inp.gpu(), tar.gpu()

@@ -1,4 +1,4 @@
-"""Data loading: HDF5 files in the ERA5 layout -> normalized (input, target) batches on the device.
+"""Data loading: HDF5 files in the ERA5 layout -> normalized (input, targets) batches on the device.
 
 Layout (written by ``tools/make_synthetic_data.py`` and ``tools/convert_era5.py``)::
 
@@ -7,10 +7,15 @@ Layout (written by ``tools/make_synthetic_data.py`` and ``tools/convert_era5.py`
     <data_path>/stats/global_means.npy, global_stds.npy   (1, C, 1, 1) float32
     <data_path>/stats/time_means.npy                      (1, C, H, W) float32 (climatology)
 
-A sample is ``(fields[t], fields[t + dt])`` from one file, cropped to ``img_size`` from the
-top-left (north-west) corner. Workers read raw float32 fields straight into page-locked
-batch buffers; :class:`DeviceBatches` copies the next batch to the GPU on a side stream
-(overlapping compute) and normalizes it there, ``(x - mean) / std``.
+A sample is ``(fields[t], fields[t + dt], ..., fields[t + k*dt])`` from one file, cropped to
+``img_size`` from the top-left (north-west) corner: an input and ``k`` targets (``k = 1`` for
+training; more for rollout evaluation, one per lead). Workers read raw float32 fields straight
+into page-locked batch buffers; :class:`DeviceBatches` copies the next batch to the GPU on a side
+stream (overlapping compute) and normalizes it there, ``(x - mean) / std``.
+
+Every loader (:class:`DeviceBatches`, ``utils.dali_loader.DaliBatches``, :class:`SyntheticBatches`)
+yields ``(inp, tar, idx)``: ``inp`` float32 ``(B, C, H, W)``, ``tar`` float32 ``(B, k, C, H, W)``
+(``tar[:, j - 1]`` is ``j*dt`` after the input), both normalized, ``idx`` int64 ``(B,)``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ from utils.schema import DataConfig
 FIELDS = "fields"
 LATITUDE = "latitude"
 CHANNEL_NAMES = "channel_names"
+DT_HOURS = "dt_hours"
+START_TIME = "start_time"
+CALENDAR = "calendar"
+LONGITUDE = "longitude"
+DEFAULT_STEP_HOURS = 6.0
 SPLITS = ("train", "valid")
 STATS_HINT = "recompute the statistics with the data tools (python -m tools.convert_era5 or tools.make_synthetic_data)"
 
@@ -48,24 +58,36 @@ class FileInfo:
 
 
 class ERA5Dataset(Dataset):
-    """(input at t, target at t + dt) pairs from every ``*.h5`` file in ``directory``.
+    """Samples ``(x_t, x_{t+dt}, ..., x_{t+k*dt})`` from every ``*.h5`` file in ``directory``.
 
-    Items are ``(inp, tar, index)``: ``inp`` and ``tar`` float32 ``(C, H, W)`` in physical
+    ``k`` is ``target_steps`` (training: 1; rollout evaluation: one target per lead). A file of
+    ``T`` time steps holds ``T - k*dt`` initial times ``t``; with ``init_every`` n only
+    ``t = 0, n, 2n, ...`` of each file are samples (``limit_nsamples`` then caps the total).
+
+    Items are ``(inp, tar, index)``: ``inp`` float32 ``(C, H, W)``, ``tar`` float32
+    ``(k, C, H, W)`` (``tar[j - 1]`` is the state ``j*dt`` after the input), both in physical
     units (not normalized), ``index`` the global sample index (for error messages).
 
     Raises:
+        ValueError: ``target_steps`` or ``init_every`` below 1.
         UserError: missing directory or files, a file without ``fields``, wrong rank, dtype
-            or channel count, a grid smaller than ``img_size``, or files too short for ``dt``.
+            or channel count, a grid smaller than ``img_size``, or files too short for
+            ``target_steps * dt``.
     """
 
     def __init__(self, directory: str | Path, n_channels: int, img_size: tuple[int, int], dt: int,
-                 limit_nsamples: int | None = None):
+                 limit_nsamples: int | None = None, *, target_steps: int = 1, init_every: int = 1):
+        if target_steps < 1 or init_every < 1:
+            raise ValueError(f"target_steps and init_every must be >= 1, got {target_steps} and {init_every}")
         self.directory = Path(directory)
         self.img_size = tuple(img_size)
         self.dt = dt
         self.n_channels = n_channels
+        self.target_steps, self.init_every = target_steps, init_every
         self.files = self._inspect(n_channels)
-        per_file = [f.n_times - dt for f in self.files]
+        self._check_lengths()
+        lead = target_steps * dt  # file steps from the input to the last target
+        per_file = [-(-(f.n_times - lead) // init_every) for f in self.files]
         self.offsets = np.cumsum([0] + per_file)
         total = int(self.offsets[-1])
         self.n_samples = min(total, limit_nsamples) if limit_nsamples else total
@@ -99,25 +121,44 @@ class ERA5Dataset(Dataset):
         if h < self.img_size[0] or w < self.img_size[1]:
             raise UserError(f"img_size {list(self.img_size)} is larger than the {h}x{w} grid of {path}; "
                             f"pass --img_size [{h},{w}] or smaller")
-        if t <= self.dt:
-            raise UserError(f"{path} has {t} time steps, too few for dt={self.dt}; lower --dt")
         return FileInfo(path, t)
+
+    def _check_lengths(self) -> None:
+        """Raise UserError when the shortest file has no initial time for ``target_steps * dt``."""
+        short = min(self.files, key=lambda f: f.n_times)
+        k, dt = self.target_steps, self.dt
+        if short.n_times > k * dt:
+            return
+        if k == 1:
+            raise UserError(f"{short.path} has {short.n_times} time steps, too few for dt={dt}; lower --dt")
+        fits = (short.n_times - 1) // dt
+        fix = f"use at most {fits} rollout steps" if fits else "lower --dt"
+        raise UserError(f"{short.path} has {short.n_times} time steps, too few for {k} rollout steps of "
+                        f"dt={dt} ({k * dt + 1} needed); {fix}")
 
     def __len__(self) -> int:
         return self.n_samples
 
     def locate(self, index: int) -> tuple[int, int]:
-        """Global sample index -> (file number, input time index)."""
+        """Global sample index -> (file number, input time index in that file)."""
         if not 0 <= index < self.n_samples:
             raise IndexError(index)
         file_no = int(np.searchsorted(self.offsets, index, side="right") - 1)
-        return file_no, index - int(self.offsets[file_no])
+        return file_no, (index - int(self.offsets[file_no])) * self.init_every
+
+    def target_times(self, t: int) -> range:
+        """File time indices of the targets of the sample whose input is at time ``t``."""
+        return range(t + self.dt, t + self.target_steps * self.dt + 1, self.dt)
 
     def describe(self, index: int) -> str:
-        """Human-readable origin of a sample, e.g. ``train/2000.h5 time 12 -> 13``."""
+        """Human-readable origin of a sample, e.g. ``train/2000.h5 time 12 -> 13`` (one target),
+        ``valid/2001.h5 time 4 -> 5..8`` (four, dt 1) or ``time 4 -> 6..10 every 2`` (three, dt 2)."""
         file_no, t = self.locate(index)
         path = self.files[file_no].path
-        return f"{path.parent.name}/{path.name} time {t} -> {t + self.dt}"
+        times = self.target_times(t)
+        leads = str(times[0]) if len(times) == 1 else f"{times[0]}..{times[-1]}"
+        every = f" every {self.dt}" if len(times) > 1 and self.dt > 1 else ""
+        return f"{path.parent.name}/{path.name} time {t} -> {leads}{every}"
 
     def _dataset(self, file_no: int) -> h5py.Dataset:
         # opened lazily so that each DataLoader worker has its own HDF5 handle
@@ -144,10 +185,24 @@ class ERA5Dataset(Dataset):
                             f"{path.parent}") from None
         return out
 
-    def __getitem__(self, index: int):
+    def read_sample(self, index: int, inp: np.ndarray | None = None,
+                    tar: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Read sample ``index`` as float32 ``(C, H, W)`` input and ``(k, C, H, W)`` targets (into
+        ``inp``/``tar``; each ``tar[j]`` must be contiguous, ``tar`` itself need not be).
+
+        Raises:
+            UserError: a state cannot be read (see :meth:`read`).
+        """
         file_no, t = self.locate(index)
-        inp = self.read(file_no, t)
-        tar = self.read(file_no, t + self.dt)
+        if tar is None:
+            tar = np.empty((self.target_steps, self.n_channels, *self.img_size), dtype=np.float32)
+        inp = self.read(file_no, t, inp)
+        for out, time in zip(tar, self.target_times(t)):  # one read per state: nothing beyond the k targets
+            self.read(file_no, time, out)
+        return inp, tar
+
+    def __getitem__(self, index: int):
+        inp, tar = self.read_sample(index)
         return torch.from_numpy(inp), torch.from_numpy(tar), index
 
 
@@ -219,7 +274,8 @@ class Stats:
 
 
 class BatchSlots:
-    """``K`` host buffers, each holding one batch ``(2, B, C, H, W)`` float32 (input, target).
+    """``K`` host buffers, each holding one batch ``(1 + k, B, C, H, W)`` float32: the input, then
+    the ``k = target_steps`` targets (time first, so each state of the batch is contiguous).
 
     The buffers live in shared memory so DataLoader workers (forked or spawned) write samples
     straight into them with h5py ``read_direct``; with ``pin=True`` they are also page-locked
@@ -227,9 +283,10 @@ class BatchSlots:
     host copy of a batch is made (no collate, no pin-memory thread).
     """
 
-    def __init__(self, k: int, batch_size: int, n_channels: int, img_size, pin: bool):
+    def __init__(self, k: int, batch_size: int, n_channels: int, img_size, pin: bool, *, target_steps: int):
         self.k = k
-        self.buf = torch.empty((k, 2, batch_size, n_channels, *img_size), dtype=torch.float32).share_memory_()
+        self.buf = torch.empty((k, 1 + target_steps, batch_size, n_channels, *img_size),
+                               dtype=torch.float32).share_memory_()
         self.pinned = False
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.nbytes, 0)
@@ -277,9 +334,7 @@ class SlotFiller(Dataset):
         error = None
         try:
             for j, index in enumerate(indices):
-                file_no, t = self.dataset.locate(index)
-                self.dataset.read(file_no, t, out=slot[0, j].numpy())
-                self.dataset.read(file_no, t + self.dataset.dt, out=slot[1, j].numpy())
+                self.dataset.read_sample(index, inp=slot[0, j].numpy(), tar=slot[1:, j].numpy())
         except UserError as exc:
             error = str(exc)
         return FilledBatch(batch_no, torch.as_tensor(indices, dtype=torch.int64), error)
@@ -349,10 +404,12 @@ class DeviceBatches:
 
     Pipeline: a DistributedSampler orders the samples (shuffled per epoch with ``set_epoch``,
     disjoint per data-parallel rank); DataLoader workers (``num_workers``; none: inline) read
-    each batch into a page-locked shared slot; on CUDA the next batch is copied to the GPU and
-    normalized ``(x - mean) / std`` on a side stream while the current one is used, and the
-    compute stream waits on an event. Yields float32 ``(B, C, H, W)`` tensors and int64 indices;
-    the last incomplete batch is dropped when ``drop_last`` (training), kept otherwise.
+    each batch into a page-locked shared slot ``(1 + k, B, C, H, W)``; on CUDA the next batch is
+    copied to the GPU and normalized ``(x - mean) / std`` on a side stream while the current one
+    is used, and the compute stream waits on an event. Yields ``inp`` float32 ``(B, C, H, W)``,
+    ``tar`` float32 ``(B, k, C, H, W)`` (``k = dataset.target_steps``; a view of the slot's
+    targets, so for ``k = 1`` ``tar[:, 0]`` is contiguous) and int64 indices ``(B,)``; the last
+    incomplete batch is dropped when ``drop_last`` (training), kept otherwise.
     Iterating raises UserError (in this process, also for reads done by workers) when a sample
     cannot be read, naming the file and time index.
 
@@ -373,7 +430,7 @@ class DeviceBatches:
         self.cuda = device.type == "cuda"
         in_flight = 2 * num_workers  # DataLoader prefetch_factor 2
         self.slots = BatchSlots(in_flight + 2 if num_workers else 2, batch_size, dataset.n_channels,
-                                dataset.img_size, pin=self.cuda)
+                                dataset.img_size, pin=self.cuda, target_steps=dataset.target_steps)
         self.filler = SlotFiller(dataset, self.slots)
         self.loader = (DataLoader(self.filler, batch_size=None, sampler=self.batches, num_workers=num_workers,
                                   persistent_workers=True, prefetch_factor=2) if num_workers else None)
@@ -427,19 +484,19 @@ class DeviceBatches:
         return filled.batch_no, filled.indices
 
     def _to_device(self, batch_no: int, indices: torch.Tensor, out: torch.Tensor | None = None):
-        """Copy a batch out of its slot (into ``out`` on CUDA) and normalize it."""
+        """Copy a batch out of its slot (into ``out`` on CUDA) and normalize it: ``(inp, tar, indices)``."""
         n = len(indices)
         host = self.slots.buf[batch_no % self.slots.k, :, :n]
         if out is None:  # CPU: normalization writes a new tensor, so the slot is free at once
             data = (host - self.stats.mean) / self.stats.std
-            return data[0], data[1], indices
-        data = out[:, :n]
-        data.copy_(host, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.copied[batch_no % self.slots.k] = event
-        data.sub_(self.stats.mean).div_(self.stats.std)
-        return data[0], data[1], indices
+        else:
+            data = out[:, :n]
+            data.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.copied[batch_no % self.slots.k] = event
+            data.sub_(self.stats.mean).div_(self.stats.std)
+        return data[0], data[1:].transpose(0, 1), indices
 
     def __iter__(self) -> Iterator:
         if not self.cuda:
@@ -478,16 +535,22 @@ class DeviceBatches:
 class SyntheticBatches:
     """Random normalized batches made on the device: the compute ceiling, no I/O.
 
-    Yields ``n_batches`` pairs of float32 ``(B, C, H, W)`` standard-normal tensors (made once
-    and reused, so generation costs nothing per step) and dummy indices; ``n_batches - start_batch``
-    after ``set_epoch(epoch, start_batch)``.
+    Yields ``n_batches`` times the same standard-normal float32 ``inp`` ``(B, C, H, W)`` and
+    ``tar`` ``(B, k, C, H, W)`` (``k = target_steps``; made once and reused, so generation costs
+    nothing per step) and dummy int64 indices ``(B,)``; ``n_batches - start_batch`` batches after
+    ``set_epoch(epoch, start_batch)``.
+
+    Raises:
+        ValueError: ``target_steps`` below 1.
     """
 
-    def __init__(self, n_batches: int, batch_size: int, n_channels: int, img_size, device, seed: int = 0):
+    def __init__(self, n_batches: int, batch_size: int, n_channels: int, img_size, device, seed: int = 0, *,
+                 target_steps: int = 1):
+        if target_steps < 1:
+            raise ValueError(f"target_steps must be >= 1, got {target_steps}")
         gen = torch.Generator(device=device).manual_seed(seed)
-        shape = (batch_size, n_channels, *img_size)
-        self.inp = torch.randn(shape, generator=gen, device=device)
-        self.tar = torch.randn(shape, generator=gen, device=device)
+        self.inp = torch.randn((batch_size, n_channels, *img_size), generator=gen, device=device)
+        self.tar = torch.randn((batch_size, target_steps, n_channels, *img_size), generator=gen, device=device)
         self.idx = torch.arange(batch_size)
         self.n_batches = n_batches
         self.start = 0  # first batch of the next iteration
@@ -517,8 +580,10 @@ class SyntheticBatches:
 class Data:
     """Everything the training loop needs from the data side.
 
-    ``train``/``valid`` iterate normalized device batches; ``train_dataset``/``valid_dataset``
-    read their raw samples (None for synthetic data); ``latitude`` is ``(H,)`` degrees.
+    ``train``/``valid`` iterate normalized device batches ``(inp (B, C, H, W), tar (B, k, C, H, W),
+    idx (B,))``, ``k`` 1 for training and ``valid_target_steps`` of :func:`build_data` for
+    validation; ``train_dataset``/``valid_dataset`` read their raw samples (None for synthetic
+    data); ``latitude`` is ``(H,)`` degrees.
     """
 
     train: DeviceBatches | SyntheticBatches
@@ -529,6 +594,7 @@ class Data:
     train_samples: int
     train_dataset: ERA5Dataset | None = None
     valid_dataset: ERA5Dataset | None = None
+    step_hours: float = DEFAULT_STEP_HOURS  # hours between a file's time steps
 
     def close(self) -> None:
         """Release both splits' workers, pinned buffers, DALI pipelines and device tensors."""
@@ -537,8 +603,8 @@ class Data:
 
     def find_nonfinite(self, indices: Iterable[int], split: str = "train") -> list[str]:
         """Origins (e.g. ``valid/2001.h5 time 5 -> 6``) of the samples among ``indices`` (global
-        sample indices of ``split``, ``"train"`` or ``"valid"``) whose input or target holds NaN/Inf;
-        empty for synthetic data.
+        sample indices of ``split``, ``"train"`` or ``"valid"``) whose input or any target step
+        holds NaN/Inf; empty for synthetic data.
 
         Raises:
             ValueError: unknown ``split``.
@@ -551,7 +617,7 @@ class Data:
             return []
         bad = []
         for idx in indices:
-            inp, tar, _ = dataset[idx]
+            inp, tar, _ = dataset[idx]  # tar: every target step, (k, C, H, W)
             if not (torch.isfinite(inp).all() and torch.isfinite(tar).all()):
                 bad.append(dataset.describe(idx))
         return bad
@@ -560,6 +626,66 @@ class Data:
 def equiangular_latitudes(h: int) -> np.ndarray:
     """Latitudes (degrees, north to south) of an ``h``-row grid spanning 90 to -90 inclusive."""
     return np.linspace(90.0, -90.0, h)
+
+
+def time_step_hours(path: Path) -> float:
+    """Hours between the time steps of one file of the layout (attribute ``dt_hours`` of ``fields``);
+    :data:`DEFAULT_STEP_HOURS` for files without it (older files, the tutorial's 6-hourly ERA5).
+
+    Raises:
+        UserError: h5py cannot read the file, or ``dt_hours`` is not a positive number.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            value = f[FIELDS].attrs.get(DT_HOURS, DEFAULT_STEP_HOURS)
+    except OSError as exc:
+        raise UserError(f"cannot read the metadata of {path} ({_one_line(exc)}); the file is damaged: "
+                        "re-create it with the data tools") from None
+    try:
+        hours = float(value)
+    except (TypeError, ValueError):
+        hours = math.nan
+    if not hours > 0 or math.isinf(hours):
+        raise UserError(f"{path}: attribute {DT_HOURS}={value!r} is not a positive number of hours; re-create the "
+                        "file with the data tools")
+    return hours
+
+
+@dataclass
+class TimeAxis:
+    """A file's time coordinate: ``start`` (ISO 8601 time of step 0, or None when the file has none),
+    its ``calendar`` (CF name) and ``step_hours``; ``longitude`` ``(W,)`` degrees east (equiangular from 0
+    when the file has none)."""
+
+    start: str | None
+    calendar: str
+    step_hours: float
+    longitude: np.ndarray
+
+    def time(self, t: int):
+        """Time of step ``t``: a cftime datetime in the file's calendar, or hours since step 0 without a start."""
+        if self.start is None:
+            return t * self.step_hours
+        import cftime
+        return cftime.num2date(t * self.step_hours, f"hours since {self.start}", calendar=self.calendar)
+
+
+def read_time_axis(path: Path, w: int) -> TimeAxis:
+    """The :class:`TimeAxis` of one file of the layout (``w``: longitudes wanted).
+
+    Raises:
+        UserError: the file cannot be read, or its ``dt_hours`` is not a positive number.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = f[FIELDS].attrs
+            start, calendar = attrs.get(START_TIME), attrs.get(CALENDAR, "standard")
+            lon = f[LONGITUDE][:w].astype(np.float64) if LONGITUDE in f else np.linspace(0, 360, w, endpoint=False)
+    except OSError as exc:
+        raise UserError(f"cannot read the metadata of {path} ({_one_line(exc)}); the file is damaged: "
+                        "re-create it with the data tools") from None
+    text = lambda v: v.decode() if isinstance(v, bytes) else None if v is None else str(v)  # noqa: E731
+    return TimeAxis(text(start), text(calendar), time_step_hours(path), lon)
 
 
 def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.ndarray]:
@@ -619,46 +745,50 @@ def make_sampler(dataset: ERA5Dataset, seed: int, train: bool, dp_rank: int, dp_
                               seed=seed, drop_last=True)
 
 
-def check_valid_split(valid_ds: ERA5Dataset, dp_size: int, limit: int | None) -> None:
-    """Raise UserError when some data-parallel rank would get no validation sample.
+def check_split_size(dataset: ERA5Dataset, dp_size: int, limit: int | None, name: str = "validation") -> None:
+    """Raise UserError when some data-parallel rank would get no sample of the ``name`` split.
 
     The sampler gives each rank ``len // dp_size`` samples (the tail is dropped), so with fewer
-    samples than ranks validation would run on nothing and report a meaningless loss.
+    samples than ranks a rank would evaluate nothing and report a meaningless loss.
     """
-    n = len(valid_ds)
+    n = len(dataset)
     if n >= dp_size:
         return
     more = "raise --limit_nsamples_val or add" if n == limit else "add"
-    raise UserError(f"the validation split {valid_ds.directory} has {n} sample(s) for {dp_size} data-parallel "
-                    f"ranks, so some ranks would validate on nothing; {more} validation files, or use at most "
+    raise UserError(f"the {name} split {dataset.directory} has {n} sample(s) for {dp_size} data-parallel "
+                    f"ranks, so some ranks would get no sample; {more} {name} files, or use at most "
                     f"{n} data-parallel rank(s)")
 
 
 def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
-               seed: int = 0) -> Data:
+               seed: int = 0, *, valid_target_steps: int = 1, valid_init_every: int = 1) -> Data:
     """Build the train/valid iterables selected by ``cfg.data_loader_config``.
 
     ``batch_size`` is the local (per data-parallel rank) batch size; each data-parallel rank
     sees a disjoint shard of the samples (DistributedSampler, order from ``seed``),
-    tensor/context-parallel peers the same one. Raises UserError for bad data or paths.
+    tensor/context-parallel peers the same one. Training samples have one target; validation
+    samples ``valid_target_steps`` (batches' ``tar`` ``(B, k, C, H, W)``), starting at every
+    ``valid_init_every``-th time step of each validation file. Raises UserError for
+    bad data or paths (also a validation split too short for ``valid_target_steps``).
     """
     c, img = cfg.n_in_channels, tuple(cfg.img_size)
     if cfg.data_loader_config == "synthetic":
         n_train = cfg.limit_nsamples or 512
-        n_valid = cfg.limit_nsamples_val or 128
+        n_valid = (cfg.limit_nsamples_val or 128) // valid_init_every
         steps = max(1, n_train // (batch_size * dp_size))
         train = SyntheticBatches(steps, batch_size, c, img, device, seed)
         valid = SyntheticBatches(max(1, math.ceil(n_valid / (batch_size * dp_size))), batch_size, c, img, device,
-                                 seed + 1)
+                                 seed + 1, target_steps=valid_target_steps)
         return Data(train, valid, Stats.identity(c, img, device), [f"c{i}" for i in range(c)],
                     equiangular_latitudes(img[0]), steps * batch_size * dp_size)
     root = Path(cfg.data_path)
     train_ds = ERA5Dataset(root / "train", c, img, cfg.dt, cfg.limit_nsamples)
-    valid_ds = ERA5Dataset(root / "valid", c, img, cfg.dt, cfg.limit_nsamples_val)
+    valid_ds = ERA5Dataset(root / "valid", c, img, cfg.dt, cfg.limit_nsamples_val, target_steps=valid_target_steps,
+                           init_every=valid_init_every)
     if len(train_ds) < batch_size * dp_size:
         raise UserError(f"{len(train_ds)} training samples are fewer than one global batch "
                         f"({batch_size} x {dp_size} ranks); lower --global_batch_size")
-    check_valid_split(valid_ds, dp_size, cfg.limit_nsamples_val)
+    check_split_size(valid_ds, dp_size, cfg.limit_nsamples_val)
     stats = Stats.load(root / "stats", c, img, device)
     names, lat = read_metadata(train_ds.files[0].path, c, img[0])
     if cfg.data_loader_config == "dali":
@@ -672,5 +802,27 @@ def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, dev
                                       is_train, cfg.num_data_workers, device=device, stats=stats, ring=ring)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
-    return Data(train, valid, stats, names, lat, n_train, train_ds, valid_ds)
+    return Data(train, valid, stats, names, lat, n_train, train_ds, valid_ds, time_step_hours(train_ds.files[0].path))
 
+
+def split_batches(cfg: DataConfig, split: str, batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
+                  *, target_steps: int, init_every: int = 1, stats: Stats) -> tuple[DeviceBatches, ERA5Dataset]:
+    """The native loader over ``<cfg.data_path>/<split>`` for evaluation, and its dataset.
+
+    Samples have ``target_steps`` targets and start every ``init_every``-th time step of each file
+    (``cfg.limit_nsamples*`` do not apply). The order is fixed (no shuffle; the same for every
+    epoch), sharded over data-parallel ranks as validation is: rank ``r`` gets samples ``r, r +
+    dp_size, ...`` and the tail that does not divide over the ranks is dropped, so every rank runs
+    the same number of batches; the last incomplete batch is kept. Reads with
+    ``cfg.num_data_workers`` workers whatever ``cfg.data_loader_config`` is; ``stats`` normalize.
+
+    Raises:
+        UserError: bad data (see :class:`ERA5Dataset`): also a split too short for ``target_steps``
+            (the message says how many fit), or fewer samples than data-parallel ranks.
+    """
+    dataset = ERA5Dataset(Path(cfg.data_path) / split, cfg.n_in_channels, tuple(cfg.img_size), cfg.dt,
+                          target_steps=target_steps, init_every=init_every)
+    check_split_size(dataset, dp_size, None, split)
+    sampler = make_sampler(dataset, 0, False, dp_rank, dp_size)
+    batches = DeviceBatches(dataset, sampler, batch_size, False, cfg.num_data_workers, device=device, stats=stats)
+    return batches, dataset

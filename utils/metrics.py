@@ -1,8 +1,14 @@
-"""Loss and skill metrics on ``(B, C, H, W)`` fields.
+"""Loss and skill metrics on ``(B, C, H, W)`` fields, following WeatherBench 2.
 
-Latitude weighting follows WeatherBench (Rasp et al. 2020, "WeatherBench: a benchmark data
-set for data-driven weather forecasting", eqs. 1-3): ``w(lat) = cos(lat) / mean(cos(lat))``
-over the grid rows, so each grid cell counts in proportion to its area.
+WeatherBench 2 (Rasp et al. 2024, "WeatherBench 2: A benchmark for the next generation of data-driven
+global weather models", section 4 and appendix) defines the scores compared here:
+
+* latitude weights proportional to each grid row's cell area, ``sin(upper edge) - sin(lower edge)``,
+  normalized to mean 1 (:func:`latitude_weights`);
+* RMSE: the weighted MSE of each forecast, averaged over initial times, then the square root
+  (:func:`weighted_mse_channels`, summed by the caller before :func:`rmse_from_mse`);
+* ACC: the weighted correlation of forecast and observed anomalies from a climatology, per
+  initial time, then averaged over initial times (:func:`weighted_acc_channels`).
 """
 
 from __future__ import annotations
@@ -22,20 +28,41 @@ def relative_l2_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def latitude_weights(lat_deg: np.ndarray, device=None) -> torch.Tensor:
-    """``cos(lat) / mean(cos(lat))`` for latitudes in degrees: float32 ``(H,)`` with mean 1."""
-    w = np.cos(np.deg2rad(np.asarray(lat_deg, dtype=np.float64)))
-    w = np.clip(w, 0.0, None)  # exact poles give cos ~ -1e-17
+    """Cell-area weights of grid rows at latitudes ``lat_deg`` (degrees, either order), mean 1.
+
+    A row's cell spans half-way to its neighbours (the outer rows as far as the inner spacing,
+    clipped at the poles), and its area is proportional to ``sin(upper) - sin(lower)``: the
+    WeatherBench 2 weighting (Rasp et al. 2024). On an equiangular grid this is ``cos(lat)``
+    away from the poles, and a pole row keeps the area of its half cell instead of zero.
+    Returns float32 ``(H,)`` on ``device``.
+
+    Raises:
+        ValueError: fewer than two rows, or latitudes outside [-90, 90] or not strictly monotonic.
+    """
+    lat = np.asarray(lat_deg, dtype=np.float64)
+    step = np.diff(lat)
+    if lat.ndim != 1 or lat.size < 2 or np.abs(lat).max() > 90 or not (np.all(step > 0) or np.all(step < 0)):
+        raise ValueError(f"latitudes must be 1-D, at least 2, strictly monotonic in [-90, 90], got {lat}")
+    mid = (lat[1:] + lat[:-1]) / 2
+    edges = np.clip(np.concatenate([[lat[0] - step[0] / 2], mid, [lat[-1] + step[-1] / 2]]), -90.0, 90.0)
+    w = np.abs(np.diff(np.sin(np.deg2rad(edges))))
     return torch.as_tensor(w / w.mean(), dtype=torch.float32, device=device)
 
 
-def weighted_rmse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Latitude-weighted RMSE per sample and channel: ``sqrt(mean_{h,w} w_h (pred - target)^2)``.
+def weighted_mse_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted MSE per sample and channel: ``mean_{h,w} weights_h (pred - target)^2``.
 
     ``pred``, ``target``: ``(B, C, H, W)``; ``weights``: ``(H,)`` from :func:`latitude_weights`.
-    Returns float32 ``(B, C)`` in the units of the inputs.
+    Returns float32 ``(B, C)`` in squared input units. WeatherBench 2 averages this over initial
+    times before the square root (:func:`rmse_from_mse`).
     """
     err = (pred.float() - target.float()) ** 2
-    return (err * weights.view(1, 1, -1, 1)).mean(dim=(-2, -1)).sqrt()
+    return (err * weights.view(1, 1, -1, 1)).mean(dim=(-2, -1))
+
+
+def rmse_from_mse(mse_sum: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:
+    """``sqrt(mse_sum / count)``: RMSE from MSE summed over ``count`` initial times (WeatherBench 2)."""
+    return (mse_sum / count).sqrt()
 
 
 def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor, clim: torch.Tensor,
@@ -43,8 +70,10 @@ def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor, clim: torch.
     """Latitude-weighted anomaly correlation coefficient per sample and channel.
 
     ``ACC = sum(w a b) / sqrt(sum(w a^2) sum(w b^2))`` with anomalies ``a = pred - clim``,
-    ``b = target - clim`` (WeatherBench eq. 3; FourCastNet, Pathak et al. 2022, eq. A2).
-    ``clim``: ``(1, C, H, W)`` climatology in the same units. Returns float32 ``(B, C)`` in [-1, 1].
+    ``b = target - clim``, sums over the grid (WeatherBench 2, Rasp et al. 2024, ACC; FourCastNet,
+    Pathak et al. 2022, eq. A2); WeatherBench 2 averages it over initial times.
+    ``clim``: ``(1, C, H, W)`` climatology in the same units. Returns float32 ``(B, C)`` in [-1, 1];
+    0 where an anomaly is zero everywhere (the climatology as forecast).
     """
     w = weights.view(1, 1, -1, 1)
     a = pred.float() - clim

@@ -187,6 +187,10 @@ class EvaluationConfig:
     valid_every: int = key(1, "epochs between validations (the last epoch always validates)", AT_LEAST_1)
     key_channels: tuple[str, ...] = key((), "channels in the epoch line and run comparison ([]: first 4)")
     plot_channel: Optional[str] = key(None, "channel of the TensorBoard prediction figure (null: first)")
+    valid_rollout_steps: int = key(1, "validation: leads scored by feeding the model its forecasts this many "
+                                      "times (1: one step ahead)", AT_LEAST_1)
+    valid_init_every: int = key(1, "validation: start forecasts at every n-th time step of each validation file "
+                                   "(fewer initial times: cheaper rollouts)", AT_LEAST_1)
 
 
 @dataclass

@@ -93,7 +93,7 @@ class TrainingStep:
 
     def __call__(self, batches: Iterator[tuple], phase: Callable[[str], ContextManager] = _no_phase
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run one step on the next ``accum`` batches ``(input (B, C, H, W), target (B, C, H, W), sample
+        """Run one step on the next ``accum`` batches ``(input (B, C, H, W), targets (B, 1, C, H, W), sample
         indices (B,))`` of ``batches``; ``phase(name)`` wraps the forward, backward and optimizer step
         (the trainer's OOM handler names the phase that ran out of memory).
 
@@ -108,7 +108,8 @@ class TrainingStep:
             indices.append(idx)
             with gradient_sync(self.model, micro == self.accum - 1):
                 with nvtx_range("forward"), phase("forward"), self.autocast():
-                    loss = self.loss_fn(self.model(inp), tar) / self.accum
+                    # training samples have one target (k = 1): tar[:, 0] is the next state, contiguous
+                    loss = self.loss_fn(self.model(inp), tar[:, 0]) / self.accum
                 with nvtx_range("backward"), phase("backward"):
                     self.scaler.scale(loss).backward()
             loss_total += loss.detach()

@@ -34,7 +34,7 @@ from utils.flops import peak_flops, vit_flops_per_sample
 from utils.logging_utils import setup_logging
 from utils.memory import MemoryTracker, OutOfMemoryHandler
 from utils.memory_profile import MemoryProfiler
-from utils.evaluation import Evaluator, nonfinite_samples
+from utils.evaluation import Evaluator, lead_hours, nonfinite_samples
 from utils.preemption import PreemptionFlag, signal_name
 from utils.profiling import ProfilerWindow, nvtx_range
 from utils.reporting import Reporter, RunDir, continued_run, open_run_dir, run_record, tensorboard_tag
@@ -68,8 +68,11 @@ class Trainer:
             cfg = self._resolve_auto_batch(cfg)
         self.local_bs, self.global_bs = batch_sizes(cfg.optim, world.dp)
         self.accum = cfg.optim.grad_accum_steps
-        self.data: Data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed)
-        self.evaluator = Evaluator(cfg.evaluation, self.data, world)
+        self.data: Data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed,
+                                     valid_target_steps=cfg.evaluation.valid_rollout_steps,
+                                     valid_init_every=cfg.evaluation.valid_init_every)
+        self.evaluator = Evaluator(cfg.evaluation, self.data, world,
+                                   lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps))
         self.steps_per_epoch = self._steps_per_epoch()
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
@@ -371,11 +374,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict:
-        """The validation scores (:class:`utils.evaluation.Evaluator`); the figure goes to TensorBoard."""
+        """The validation scores (:class:`utils.evaluation.Evaluator`) and ``valid_time_s``, the seconds they
+        took; the figures go to TensorBoard."""
+        start = time.perf_counter()
         with self.oom.phase("validation"):
-            record, figure = self.evaluator.evaluate(self.model, self.step_fn.autocast)
-        if figure is not None:
-            self.reporter.figure(f"prediction({self.evaluator.plot_channel})/valid", figure, self.state.step)
+            record, figures = self.evaluator.evaluate(self.model, self.step_fn.autocast)
+        record["valid_time_s"] = time.perf_counter() - start  # the scores were read back: the GPU is done
+        for tag, figure in figures.items():
+            self.reporter.figure(tag, figure, self.state.step)
         return record
 
     # ---------------------------------------------------------------- progress

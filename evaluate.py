@@ -1,0 +1,201 @@
+"""Score a trained run's forecasts by lead time, the WeatherBench 2 way, against persistence and climatology.
+
+    python evaluate.py --run_dir runs/tiny/1GPU/00 --lead_steps 20
+    python evaluate.py --run_dir RUN_DIR --lead_steps 40 --split valid --step 500 --init_every 4 --save_forecasts
+    torchrun --nproc_per_node 4 evaluate.py --run_dir RUN_DIR --lead_steps 40   # initial times split over ranks
+
+Loads the run's ``config.yaml`` and a checkpoint (sharded, or a single ``.pt`` file), rolls the model out
+``--lead_steps`` times from every ``--init_every``-th initial time of the split, and scores each lead
+for the model, persistence and climatology (``utils/evaluation.py``). Writes to ``--out`` (default
+``<run_dir>/evaluation/``):
+
+* ``scorecard.json``: ``{"lead_hours": [...], "channels": [...], "initial_times": N, "checkpoint": ...,
+  "scores": {"model"|"persistence"|"climatology": {"rmse"|"acc": {channel: [one value per lead]}}}}``;
+* ``scorecard.nc``: the same as an xarray DataArray ``skill(metric, forecast, channel, lead_time)``,
+  lead time in hours;
+* ``scorecard.png``: RMSE and ACC against lead time for the key channels;
+* with ``--save_forecasts``: ``forecasts.nc`` (one file per rank under torchrun: ``forecasts_rank<r>.nc``),
+  the forecasts in physical units by initial time, lead time, channel, latitude and longitude.
+
+Ends with a table of model vs persistence vs climatology by lead time. Bad input is one ``error:`` line,
+exit status 2, on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from utils.errors import ArgumentParser, UserError
+
+PROG = "evaluate.py"
+
+
+def build_parser() -> ArgumentParser:
+    """The CLI (usage errors are one ``error:`` line, exit status 2)."""
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--run_dir", type=Path, required=True, help="run directory <expdir>/<config>/<N>GPU/<run_num>")
+    p.add_argument("--lead_steps", type=int, required=True, help="rollout steps (lead times) to score, >= 1")
+    p.add_argument("--split", default="valid", help="data split under the run's data_path (default valid)")
+    p.add_argument("--step", type=int, default=None, help="the sharded checkpoint of this optimizer step "
+                                                           "(default: the latest complete one)")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="a sharded checkpoint folder or a single .pt model file instead of --step")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default <run_dir>/evaluation)")
+    p.add_argument("--init_every", type=int, default=1, help="roll out from every n-th initial time (default 1)")
+    p.add_argument("--batch_size", type=int, default=None, help="initial times per batch and rank "
+                                                                 "(default: the run's local batch size)")
+    p.add_argument("--save_forecasts", action="store_true", help="also write the forecasts as netCDF")
+    p.add_argument("--channels", default=None, help="comma-separated channels for the table and figure "
+                                                     "(default: the run's key channels)")
+    return p
+
+
+def check_args(args) -> None:
+    """Raise UserError for out-of-range arguments (before anything is loaded)."""
+    for name in ("lead_steps", "init_every", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    if args.step is not None and args.checkpoint is not None:
+        raise UserError("--step and --checkpoint both name a checkpoint; pass one of them")
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    import torch
+
+    from distributed.env import detect_launch, distributed_session
+    from tools.export_model import read_run_config
+    from utils.logging_utils import setup_logging
+    from utils.schema import ParallelConfig
+
+    cfg = read_run_config(args.run_dir)
+    launch = detect_launch()
+    # the checkpoint holds the single-GPU layout: every rank runs the plain model on its share of initial times
+    parallel = ParallelConfig(rendezvous_timeout_s=cfg.parallel.rendezvous_timeout_s,
+                              collective_timeout_s=cfg.parallel.collective_timeout_s)
+    with distributed_session(parallel, launch) as world:
+        setup_logging(None, world.rank)
+        with torch.no_grad():
+            evaluate(args, cfg, world)
+    return 0
+
+
+def evaluate(args, cfg, world) -> None:
+    """Roll out, score, and (rank 0) write the scorecard files and print the table."""
+    import torch
+
+    from distributed.parallelize import AMP_DTYPES
+    from tools.export_model import load_checkpoint_model
+    from utils.data_loader import Stats, read_metadata, split_batches, time_step_hours
+    from utils.evaluation import checked_latitude_weights, lead_hours, pick_channels, score_rollouts
+    from utils.schema import EvaluationConfig
+
+    device, data = world.device, cfg.data
+    channels = args.channels.split(",") if args.channels else list(cfg.evaluation.key_channels)
+    stats = Stats.load(Path(data.data_path) / "stats", data.n_in_channels, data.img_size, device)
+    batches, dataset = split_batches(data, args.split, args.batch_size or cfg.optim.local_batch_size or 1,
+                                     world.dp_rank, world.dp, device, target_steps=args.lead_steps,
+                                     init_every=args.init_every, stats=stats)
+    names, lat = read_metadata(dataset.files[0].path, data.n_in_channels, data.img_size[0])
+    key_channels, _ = pick_channels(EvaluationConfig(key_channels=tuple(channels)), names)
+    model, step = load_checkpoint_model(args.run_dir, cfg, args.step, args.checkpoint)
+    model.to(device)
+    dtype = AMP_DTYPES[cfg.precision.amp_mode] if device.type == "cuda" else None
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    leads = lead_hours(data.dt, time_step_hours(dataset.files[0].path), args.lead_steps)
+    writer = ForecastWriter(dataset, stats, names, lat, leads) if args.save_forecasts else None
+    try:
+        sums, _ = score_rollouts(model, batches, stats, checked_latitude_weights(lat, device), args.lead_steps,
+                                 autocast, writer.add if writer else None)
+    finally:
+        batches.close()
+    sums.reduce(world)
+    card = sums.scorecard(stats.std, leads, names)
+    out = args.out or args.run_dir / "evaluation"
+    if writer is not None:
+        writer.write(out / ("forecasts.nc" if world.world_size == 1 else f"forecasts_rank{world.rank}.nc"))
+    if world.is_main:
+        write_scorecard(card, out, key_channels, {"checkpoint_step": step, "split": args.split,
+                                                  "init_every": args.init_every})
+        from utils.evaluation import format_scorecard
+        print(format_scorecard(card, key_channels), flush=True)
+        print(f"wrote {out / 'scorecard.json'}, scorecard.nc and scorecard.png", flush=True)
+
+
+def write_scorecard(card, out: Path, channels: list[str], extra: dict) -> None:
+    """``scorecard.json``, ``scorecard.nc`` and ``scorecard.png`` in ``out``.
+
+    Raises:
+        UserError: ``out`` cannot be created or written.
+    """
+    import xarray as xr
+
+    from utils.evaluation import FORECASTS, METRICS
+    from utils.plots import skill_figure
+    payload = {**card.to_json(), **extra}
+    values = [[[card.scores[f][m][ch] for ch in card.channels] for f in FORECASTS] for m in METRICS]
+    skill = xr.DataArray(values, name="skill", dims=("metric", "forecast", "channel", "lead_time"),
+                         coords={"metric": list(METRICS), "forecast": list(FORECASTS), "channel": card.channels,
+                                 "lead_time": card.lead_hours},
+                         attrs={"description": "RMSE (channel units) and ACC by lead time, WeatherBench 2 "
+                                               "conventions (Rasp et al. 2024)", "initial_times": card.initial_times})
+    skill.lead_time.attrs["units"] = "hours"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scorecard.json").write_text(json.dumps(payload, indent=2) + "\n")
+        skill.to_netcdf(out / "scorecard.nc")
+        skill_figure(payload, channels).savefig(out / "scorecard.png", dpi=100)
+    except OSError as exc:
+        raise UserError(f"cannot write the scorecard to {out} ({exc.strerror or exc}); pass a writable --out") from None
+
+
+class ForecastWriter:
+    """Collects forecasts in physical units and writes them as netCDF (``--save_forecasts``).
+
+    The file holds ``forecast(init_time, lead_time, channel, latitude, longitude)`` float32, with
+    ``init_time`` the initial time (from the files' ``start_time`` and ``dt_hours``, in their calendar;
+    hours since the file's first step when it has no ``start_time``) and ``lead_time`` in hours.
+    """
+
+    def __init__(self, dataset, stats, names: list[str], latitude, leads: list[float]):
+        from utils.data_loader import read_time_axis
+        self.dataset, self.stats, self.names, self.latitude, self.leads = dataset, stats, names, latitude, leads
+        self.axes = [read_time_axis(f.path, dataset.img_size[1]) for f in dataset.files]
+        self.blocks, self.times = [], []
+
+    def add(self, inp, forecasts, tar, idx) -> None:
+        import torch
+        physical = torch.stack(forecasts, 1) * self.stats.std.unsqueeze(1) + self.stats.mean.unsqueeze(1)
+        self.blocks.append(physical.cpu().numpy())
+        for i in idx.tolist():
+            file_no, t = self.dataset.locate(i)
+            self.times.append(self.axes[file_no].time(t))
+
+    def write(self, path: Path) -> None:
+        """Write the collected forecasts to ``path`` (raises UserError when that fails)."""
+        import numpy as np
+        import xarray as xr
+        h, w = self.dataset.img_size
+        shape = (0, len(self.leads), len(self.names), h, w)
+        data = np.concatenate(self.blocks) if self.blocks else np.zeros(shape, np.float32)
+        da = xr.DataArray(data, name="forecast", dims=("init_time", "lead_time", "channel", "latitude", "longitude"),
+                          coords={"init_time": self.times, "lead_time": self.leads, "channel": self.names,
+                                  "latitude": np.asarray(self.latitude)[:h], "longitude": self.axes[0].longitude},
+                          attrs={"units": "the physical units of each channel (those of the converted input)"})
+        da.lead_time.attrs["units"] = "hours"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            da.to_netcdf(path)
+        except OSError as exc:
+            raise UserError(f"cannot write {path} ({exc.strerror or exc}); pass a writable --out") from None
+
+
+if __name__ == "__main__":
+    from train import cli
+
+    sys.exit(cli("tiny", lambda argv, *_: main(argv), PROG))
