@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 4 evaluate.py --run_dir RUN_DIR --lead_steps 40   # initial times split over ranks
 
 Loads the run's ``config.yaml`` and a checkpoint (sharded, or a single ``.pt`` file), rolls the model out
-``--lead_steps`` times from every ``--init_every``-th initial time of the split, and scores each lead
+``--lead_steps`` times from every ``--init_every``-th initial time of the split (of the run's data, or of
+``--data_path``, normalized with the run's statistics), and scores each lead
 for the model, persistence and climatology (``utils/evaluation.py``). Writes to ``--out`` (default
 ``<run_dir>/evaluation/``):
 
@@ -24,6 +25,7 @@ exit status 2, on every rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,7 +40,10 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--run_dir", type=Path, required=True, help="run directory <expdir>/<config>/<N>GPU/<run_num>")
     p.add_argument("--lead_steps", type=int, required=True, help="rollout steps (lead times) to score, >= 1")
-    p.add_argument("--split", default="valid", help="data split under the run's data_path (default valid)")
+    p.add_argument("--split", default="valid", help="data split under the data path (default valid)")
+    p.add_argument("--data_path", type=Path, default=None,
+                   help="score another dataset of the same layout (held-out years, say); normalized with the "
+                        "run's statistics (default: the run's data_path)")
     p.add_argument("--step", type=int, default=None, help="the sharded checkpoint of this optimizer step "
                                                            "(default: the latest complete one)")
     p.add_argument("--checkpoint", type=Path, default=None,
@@ -61,6 +66,9 @@ def check_args(args) -> None:
             raise UserError(f"--{name} must be at least 1, got {value}")
     if args.step is not None and args.checkpoint is not None:
         raise UserError("--step and --checkpoint both name a checkpoint; pass one of them")
+    if args.checkpoint is not None and not args.checkpoint.exists():
+        raise UserError(f"--checkpoint {args.checkpoint} not found; pass a checkpoint folder (checkpoints/step_*) or "
+                        "a .pt file written by python -m tools.export_model")
 
 
 def main(argv: list[str]) -> int:
@@ -92,17 +100,22 @@ def evaluate(args, cfg, world) -> None:
     from distributed.parallelize import AMP_DTYPES
     from tools.export_model import load_checkpoint_model
     from utils.data_loader import Stats, read_metadata, split_batches, time_step_hours
-    from utils.evaluation import checked_latitude_weights, lead_hours, pick_channels, score_rollouts
-    from utils.schema import EvaluationConfig
+    from utils.evaluation import checked_latitude_weights, lead_hours, score_rollouts
 
     device, data = world.device, cfg.data
     channels = args.channels.split(",") if args.channels else list(cfg.evaluation.key_channels)
     stats = Stats.load(Path(data.data_path) / "stats", data.n_in_channels, data.img_size, device)
-    batches, dataset = split_batches(data, args.split, args.batch_size or cfg.optim.local_batch_size or 1,
+    if args.data_path is not None:
+        data = dataclasses.replace(data, data_path=str(args.data_path))
+    check_split(Path(data.data_path), args.split)
+    batches, dataset = split_batches(data, args.split, args.batch_size or default_batch(cfg.optim, world.dp),
                                      world.dp_rank, world.dp, device, target_steps=args.lead_steps,
                                      init_every=args.init_every, stats=stats)
     names, lat = read_metadata(dataset.files[0].path, data.n_in_channels, data.img_size[0])
-    key_channels, _ = pick_channels(EvaluationConfig(key_channels=tuple(channels)), names)
+    unknown = [ch for ch in channels if ch not in names]
+    if unknown:
+        raise UserError(f"--channels {','.join(unknown)}: not in the data, whose channels are {', '.join(names)}")
+    key_channels = channels or names[:4]
     model, step = load_checkpoint_model(args.run_dir, cfg, args.step, args.checkpoint)
     model.to(device)
     dtype = AMP_DTYPES[cfg.precision.amp_mode] if device.type == "cuda" else None
@@ -120,11 +133,26 @@ def evaluate(args, cfg, world) -> None:
     if writer is not None:
         writer.write(out / ("forecasts.nc" if world.world_size == 1 else f"forecasts_rank{world.rank}.nc"))
     if world.is_main:
-        write_scorecard(card, out, key_channels, {"checkpoint_step": step, "split": args.split,
-                                                  "init_every": args.init_every})
+        write_scorecard(card, out, key_channels, {"checkpoint_step": step, "data_path": data.data_path,
+                                                  "split": args.split, "init_every": args.init_every})
         from utils.evaluation import format_scorecard
         print(format_scorecard(card, key_channels), flush=True)
         print(f"wrote {out / 'scorecard.json'}, scorecard.nc and scorecard.png", flush=True)
+
+
+def default_batch(optim, dp: int) -> int:
+    """Initial times per batch and rank: the run's local batch size, else its global batch over ``dp`` ranks."""
+    if isinstance(optim.local_batch_size, int):
+        return optim.local_batch_size
+    return max(1, optim.global_batch_size // dp)
+
+
+def check_split(data_path: Path, split: str) -> None:
+    """Raise UserError when ``data_path`` has no folder ``split``, naming the splits it has."""
+    if not (data_path / split).is_dir():
+        have = sorted(p.name for p in data_path.iterdir() if p.is_dir() and p.name != "stats") if data_path.is_dir() else []
+        raise UserError(f"no split {split!r} in {data_path} (it has: {', '.join(have) or 'nothing'}); pass --split "
+                        "with one of those, or --data_path with a dataset folder")
 
 
 def write_scorecard(card, out: Path, channels: list[str], extra: dict) -> None:

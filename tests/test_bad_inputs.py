@@ -271,3 +271,77 @@ def test_full_disk_during_checkpoint_stops_every_rank_with_one_line(tiny_data, t
         assert '"status": "failed"' in (run_dir / "run.json").read_text()
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
+
+
+# ---------------------------------------------------------------- evaluate.py
+# A tiny run validated with 3 rollout steps, checkpoints at steps 15 and 16 (the last 2 kept): the arguments of ROLLOUT_RUN in
+# tests/test_evaluation.py, so a session that runs both files trains it once (tests/jobs.py reference_run).
+# Its valid split is one file of 48 time steps (tests/conftest.py).
+EVAL_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
+            "--key_channels", "[u10m,t2m]"]
+
+
+@dataclass
+class EvalCase:
+    id: str
+    args: list[str]  # {run}: the trained run; {bare}: a run directory without checkpoints; {tmp}: the test's folder
+    needles: list[str]
+
+
+EVAL_CASES = [
+    EvalCase("lead_steps 0", ["--run_dir", "{run}", "--lead_steps", "0"], ["--lead_steps must be at least 1, got 0"]),
+    EvalCase("init_every 0", ["--run_dir", "{run}", "--lead_steps", "1", "--init_every", "0"],
+             ["--init_every must be at least 1, got 0"]),
+    EvalCase("missing run dir", ["--run_dir", "{tmp}/nope", "--lead_steps", "1"], ["run directory", "nope not found"]),
+    EvalCase("run dir without checkpoints", ["--run_dir", "{bare}", "--lead_steps", "1"],
+             ["no complete checkpoint in", "--save_checkpoint true"]),
+    EvalCase("more lead steps than the split holds", ["--run_dir", "{run}", "--lead_steps", "48"],
+             ["48 time steps, too few for 48 rollout steps", "use at most 47 rollout steps"]),
+    EvalCase("step not saved", ["--run_dir", "{run}", "--lead_steps", "1", "--step", "999"],
+             ["no complete checkpoint step_00000999", "complete steps: 15, 16", "--step"]),
+    EvalCase("step and checkpoint", ["--run_dir", "{run}", "--lead_steps", "1", "--step", "5",
+                                     "--checkpoint", "{run}/checkpoints/model.pt"], ["--step and --checkpoint"]),
+    EvalCase("unknown channel", ["--run_dir", "{run}", "--lead_steps", "1", "--channels", "u10m,nope"],
+             ["--channels nope", "u10m, v10m, t2m, sp"]),
+    EvalCase("missing checkpoint file", ["--run_dir", "{run}", "--lead_steps", "1", "--checkpoint", "{tmp}/no.pt"],
+             ["--checkpoint", "no.pt not found"]),
+    EvalCase("unknown split", ["--run_dir", "{run}", "--lead_steps", "1", "--split", "test"],
+             ["no split 'test'", "train, valid", "--split"]),
+]
+
+
+@pytest.fixture(scope="module")
+def eval_run(tiny_data, tmp_path_factory) -> Path:
+    from tests.jobs import reference_run
+    return reference_run(tmp_path_factory, tiny_data, EVAL_RUN, 1)()
+
+
+def _eval_args(args: list[str], run: Path, tmp_path: Path) -> list[str]:
+    bare = tmp_path / "bare"  # the run's config without its checkpoints
+    if not bare.exists():
+        bare.mkdir()
+        shutil.copy(run / "config.yaml", bare / "config.yaml")
+    return [a.replace("{run}", str(run)).replace("{bare}", str(bare)).replace("{tmp}", str(tmp_path)) for a in args]
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=[c.id for c in EVAL_CASES])
+def test_evaluate_bad_input_is_one_line(case, eval_run, tmp_path):
+    out = tmp_path / "out"
+    proc = run_entry("evaluate.py", [*_eval_args(case.args, eval_run, tmp_path), "--out", str(out)], tmp_path)
+    assert_one_line_error(proc, case.needles)
+    assert not out.exists() and not (eval_run / "evaluation").exists()
+
+
+def test_evaluate_error_is_one_line_on_every_rank(eval_run, tmp_path):
+    port = str(free_port())
+    args = ["--run_dir", str(eval_run), "--lead_steps", "48", "--out", str(tmp_path / "out")]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *args], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=subprocess_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                              ["use at most 47 rollout steps"])
+    assert not (tmp_path / "out").exists()

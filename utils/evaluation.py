@@ -110,7 +110,8 @@ def format_scorecard(card: Scorecard, channels: list[str], max_rows: int = 12) -
     at most ``max_rows`` leads (evenly spread, the last included), and up to which lead the model
     beats each baseline."""
     n = len(card.lead_hours)
-    rows = sorted({round(i * (n - 1) / max(1, max_rows - 1)) for i in range(min(n, max_rows))})
+    shown = min(n, max_rows)
+    rows = sorted({round(i * (n - 1) / max(1, shown - 1)) for i in range(shown)})
     lines = [f"skill over {card.initial_times} initial times (RMSE in channel units; ACC vs climatology)"]
     for ch in channels:
         r, a = ({f: card.scores[f][m][ch] for f in FORECASTS} for m in METRICS)
