@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
 
 import torch.distributed as dist
@@ -55,3 +57,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+def launch_entry(script, args: list[str], cwd, ranks: int = 1) -> list[subprocess.CompletedProcess]:
+    """``python script args`` as a user runs it: one plain process, or ``ranks`` processes with the
+    variables torchrun sets (gloo on the CPU). Returns each process's result, rank order."""
+    launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE,
+                              env=subprocess_env(**launch, **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
+             for r in range(ranks)]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.dist_utils import free_port, subprocess_env
+from tests.dist_utils import free_port, launch_entry, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,6 +148,8 @@ CASES = [
     Case("wrong channel count", ["--n_in_channels", "5", "--n_out_channels", "5"],
          ["has 4 channels", "--n_in_channels 4"]),
     Case("too few samples for a batch", ["--global_batch_size", "4096"], ["fewer than one global batch"]),
+    Case("rollout longer than the validation files", ["--valid_rollout_steps", "1000"],
+         ["too few for 1000 rollout steps", "use at most"]),
     Case("unknown key channel", ["--key_channels", "[nope]"], ["channel 'nope'", "u10m"]),
     Case("unknown plot channel", ["--plot_channel", "nope"], ["channel 'nope'"]),
     Case("file without fields", [], ["has no 'fields' dataset"], spoil=_rename_fields),
@@ -224,23 +226,9 @@ def test_table_is_large_enough():
 
 
 # ---------------------------------------------------------------- errors on every rank
-def _launch_ranks(world_size: int, args: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=subprocess_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(world_size)]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    return out
-
-
 def test_data_error_is_one_line_on_every_rank(tmp_path):
-    for proc in _launch_ranks(2, ["--data_path", str(tmp_path / "missing"), "--expdir", str(tmp_path / "runs"),
-                                  "--rendezvous_timeout_s", "60"], tmp_path):
+    for proc in launch_entry(ROOT / "train.py", ["--data_path", str(tmp_path / "missing"), "--expdir",
+                                                 str(tmp_path / "runs"), "--rendezvous_timeout_s", "60"], tmp_path, 2):
         assert_one_line_error(proc, ["missing/train does not exist"])
     assert not (tmp_path / "runs").exists()
 
@@ -261,9 +249,9 @@ def test_full_disk_during_checkpoint_stops_every_rank_with_one_line(tiny_data, t
     if not _mount_tmpfs(disk, "400k"):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        procs = _launch_ranks(2, ["--data_path", str(tiny_data), "--expdir", str(disk), "--num_iters", "130",
-                                  "--limit_nsamples", "128", "--log_every", "1000", "--checkpoint_every_steps", "5"],
-                             tmp_path)
+        procs = launch_entry(ROOT / "train.py", ["--data_path", str(tiny_data), "--expdir", str(disk), "--num_iters",
+                                                 "130", "--limit_nsamples", "128", "--log_every", "1000",
+                                                 "--checkpoint_every_steps", "5"], tmp_path, 2)
         for proc in procs:  # every rank writes its own shards, so every rank meets the full disk
             assert_one_line_error(proc, ["writing checkpoint", "No space left on device", "free"])
         run_dir = next(disk.glob("tiny/2GPU/*"))
@@ -333,15 +321,7 @@ def test_evaluate_bad_input_is_one_line(case, eval_run, tmp_path):
 
 
 def test_evaluate_error_is_one_line_on_every_rank(eval_run, tmp_path):
-    port = str(free_port())
     args = ["--run_dir", str(eval_run), "--lead_steps", "48", "--out", str(tmp_path / "out")]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *args], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=subprocess_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for r in range(2)]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
-                              ["use at most 47 rollout steps"])
+    for proc in launch_entry(ROOT / "evaluate.py", args, tmp_path, 2):
+        assert_one_line_error(proc, ["use at most 47 rollout steps"])
     assert not (tmp_path / "out").exists()

@@ -301,16 +301,22 @@ def test_start_batch_yields_the_rest_of_the_epoch(long_layout, workers):
     assert_resumes_mid_epoch(train, 3, 7)
 
 
-def test_start_batch_does_not_read_skipped_samples(long_layout, monkeypatch):
-    data = build(long_layout, 2)  # no workers: every read happens in this process
-    reads = []
+@pytest.fixture
+def reads(monkeypatch) -> list[tuple[int, int]]:
+    """Every ``(file, time)`` that ``ERA5Dataset.read`` reads in this process, in order."""
+    log = []
     read = ERA5Dataset.read
 
     def counted(self, file_no, t, out=None):
-        reads.append((file_no, t))
+        log.append((file_no, t))
         return read(self, file_no, t, out)
 
     monkeypatch.setattr(ERA5Dataset, "read", counted)
+    return log
+
+
+def test_start_batch_does_not_read_skipped_samples(long_layout, reads):
+    data = build(long_layout, 2)  # no workers: every read happens in this process
     data.train.set_epoch(2, 4)
     indices = [i for _, _, idx in data.train for i in idx.tolist()]
     assert len(indices) == (len(data.train) - 4) * 2 == 6
@@ -689,20 +695,12 @@ def test_device_batches_with_three_targets_match_the_dataset(rollout_layout, wor
     data.close()
 
 
-def test_training_batches_are_unchanged_with_one_target(rollout_layout, monkeypatch):
+def test_training_batches_are_unchanged_with_one_target(rollout_layout, reads):
     """k = 1 (training): the slot holds input and one target only, each read once, and the batch
     values are today's ``(x_t - mean) / std`` and ``(x_{t+dt} - mean) / std``, exactly."""
     root, _ = rollout_layout
     data = build(root, 2, dt=2, valid_target_steps=2)
     assert data.train.slots.buf.shape[1:] == (2, 2, C, *IMG)  # (1 + k, B, C, H, W): nothing extra
-    reads = []
-    read = ERA5Dataset.read
-
-    def counted(self, file_no, t, out=None):
-        reads.append((file_no, t))
-        return read(self, file_no, t, out)
-
-    monkeypatch.setattr(ERA5Dataset, "read", counted)
     ds = data.train_dataset
     paths = [f.path for f in ds.files]
     data.train.set_epoch(1)

@@ -30,7 +30,7 @@ import torch
 import xarray as xr
 from torch import nn
 
-from tests.dist_utils import free_port, subprocess_env
+from tests.dist_utils import launch_entry, subprocess_env
 from tests.jobs import reference_run
 from utils.data_loader import Stats
 from utils.evaluation import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout,
@@ -254,22 +254,6 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     return {name: wait() for name, wait in waits.items()}
 
 
-def launch_evaluate(args: list[str], cwd: Path, ranks: int = 1) -> list[subprocess.CompletedProcess]:
-    """``evaluate.py args`` as a user runs it: one process, or ``ranks`` processes with the launcher's
-    variables (as torchrun sets them, gloo on the CPU)."""
-    launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                                    "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *args], cwd=cwd, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=subprocess_env(**launch, **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
-             for r in range(ranks)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
-
-
 @pytest.fixture(scope="module")
 def evals(runs, tmp_path_factory) -> dict[str, tuple[Path, list[subprocess.CompletedProcess]]]:
     """Every evaluation the tests below read, run two at a time: name -> (output folder, processes)."""
@@ -292,7 +276,7 @@ def evals(runs, tmp_path_factory) -> dict[str, tuple[Path, list[subprocess.Compl
         run, args, ranks = jobs[name]
         out = run / "evaluation" if name == "lead1" else base / name
         extra = [] if name == "lead1" else ["--out", str(out)]
-        return out, launch_evaluate(["--run_dir", str(run), *args, *extra], base, ranks)
+        return out, launch_entry(ROOT / "evaluate.py", ["--run_dir", str(run), *args, *extra], base, ranks)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(jobs, pool.map(one, jobs)))
