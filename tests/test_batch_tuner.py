@@ -14,8 +14,8 @@ import torch
 
 from distributed.env import LaunchEnv, World
 from tests.dist_utils import run_distributed
-from utils.batch_tuner import (OBJECTIVES, NoCleanTrial, Trial, agree, choice_args, choose, plot, report_table,
-                               save_json, scaled_lr, search)
+from utils.batch_tuner import (OBJECTIVES, NoCleanTrial, Trial, agree, choice_args, choose, combine, plot,
+                               report_table, save_json, scaled_lr, search)
 from utils.config import cli_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,3 +231,48 @@ def test_two_ranks_agree_on_every_verdict(tmp_path):
     erring = {t["local_batch_size"]: t for t in ranks[0]["erring"]}
     assert erring[32]["error"] == "rank 1: boom" and erring[32]["verdict"] == "error"
     assert [t["local_batch_size"] for t in ranks[0]["late"]] == [8, 16, 32]
+
+
+# ---------------------------------------------------------------- a second dimension at a fixed global batch
+@dataclass
+class FakeAC:
+    """A step at global batch 64 whose activations shrink with the checkpointed blocks ``a`` (of 8) and grow
+    with the micro-batch ``b``: memory ``4 + b * (8 - a) / 8`` GiB, clean up to 20 GiB; each checkpointed block
+    costs 5 % of the rate and each extra micro-batch of accumulation 10 %."""
+
+    calls: list[tuple[int, int]] = field(default_factory=list)
+
+    def __call__(self, a: int, b: int) -> Trial:
+        self.calls.append((a, b))
+        mem = 4 + b * (8 - a) / 8
+        trial = Trial(b, 64, peak_reserved_bytes=int(mem * GIB))
+        if mem > 20:
+            return replace(trial, ooms=1)
+        rate = 100 * (1 - 0.05 * a) * (1 - 0.1 * (64 // b - 1))
+        return replace(trial, samples_per_s=rate, step_time_s=64 / rate)
+
+
+def test_combine_finds_each_settings_largest_clean_batch_and_stops_when_nothing_is_accumulated():
+    fake = FakeAC()
+    trials = combine(fake, WORLD, settings=[0, 2, 4, 6, 8], local_batches=[64, 32, 16, 8], monotone=True)
+    # a=0: 64 and 32 OOM, 16 fits; a=2: 16 (64 * 6/8 = 48 > 16); a=4: 32; a=6: 64 runs clean, so a=8 is skipped
+    assert fake.calls == [(0, 64), (0, 32), (0, 16), (2, 64), (2, 32), (2, 16), (4, 64), (4, 32), (6, 64)]
+    assert [(t.setting, t.local_batch_size, t.clean) for t in trials if t.clean] == [(0, 16, True), (2, 16, True),
+                                                                                      (4, 32, True), (6, 64, True)]
+    best = choose(trials)["max-throughput"]
+    # rates 70 (a=0, 4 micro-batches), 63, 72 (a=4, 2 micro-batches), 70 (a=6, none): half the blocks win
+    assert (best.setting, best.local_batch_size) == (4, 32) and best.samples_per_s == pytest.approx(72)
+    table = report_table(trials, "ac_blocks").splitlines()
+    assert table[0].split()[:2] == ["ac_blocks", "local"] and len(table) == 2 + len(trials)
+
+
+def test_combine_without_monotone_tries_every_setting_and_keeps_the_deadline():
+    fake = FakeAC()
+    combine(fake, WORLD, settings=[6, 8], local_batches=[64, 32], monotone=False)
+    assert fake.calls == [(6, 64), (8, 64)]  # fsdp_prefetch-like: a clean setting does not end the search
+    clock = iter(range(100)).__next__
+    late = combine(FakeAC(), WORLD, settings=[0, 2], local_batches=[64, 32, 16], monotone=False, deadline=0.5,
+                   clock=clock)
+    assert len(late) == 2  # the trial that passed the deadline is the last
+    with pytest.raises(ValueError):
+        combine(fake, WORLD, settings=[], local_batches=[64], monotone=True)

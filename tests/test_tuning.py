@@ -16,7 +16,9 @@ import pytest
 from tests.jobs import ROOT, run_job, run_path, run_record
 from utils.config import cli_config
 from utils.errors import EXIT_OUT_OF_MEMORY, UserError
-from utils.tuning import TUNE_FILE, journal_path, without_tuner_keys
+from utils.schema import Launch, validate
+from utils.tuning import (TUNE_FILE, accumulated_batches, journal_path, setting_args, setting_values,
+                          with_setting, without_tuner_keys)
 
 TOOL = ["-m", "tools.tune_batch_size"]
 # one warm-up and one timed step per trial: the tests check the search and the records, not the speed;
@@ -69,6 +71,38 @@ def test_tool_keeps_to_the_memory_budget_and_its_arguments_train(tiny_data, tmp_
                            timeout=300)
     assert train.returncode == 0, train.stderr
     assert f"local batch {choice['local_batch_size']}, global batch" in train.stdout
+
+
+def test_tune_ac_blocks_keeps_the_global_batch_and_its_arguments_train(tiny_data, tmp_path):
+    [(code, stdout, stderr)], out = tool(tmp_path, tiny_data, ["--tune", "ac_blocks", "--global_batch_size", "32"])
+    assert code == 0, stderr
+    result = json.loads(out.read_text())
+    assert result["tune"] == "ac_blocks" and not out.with_suffix(".png").exists()
+    # nothing fails on CPU without a budget: no checkpointing at the whole global batch per rank, then done
+    [trial] = result["trials"]
+    assert (trial["setting"], trial["local_batch_size"], trial["global_batch_size"]) == (0, 32, 32)
+    args = result["choice"]["max-throughput"]["args"]
+    assert args[-6:] == ["--local_batch_size", "32", "--activation_checkpointing", "none", "--grad_accum_steps", "1"]
+    assert "max-throughput: local batch 32 (global 32), ac_blocks 0" in stdout
+    train = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--num_iters", "2",
+                            "--expdir", str(tmp_path / "runs")], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert train.returncode == 0, train.stderr
+
+
+def test_settings_of_the_second_dimension():
+    cfg = cli_config(["--config", "tiny", "--depth", "8"], "tiny", "train.py")
+    assert setting_values(cfg, "ac_blocks") == [0, 2, 4, 6, 8]
+    assert setting_args(cfg, "ac_blocks", 8) == ["--activation_checkpointing", "full"]
+    assert setting_args(cfg, "ac_blocks", 2) == ["--activation_checkpointing", "selective", "--ac_blocks", "2"]
+    half = with_setting(cfg, "ac_blocks", 4, 2)
+    assert (half.precision.activation_checkpointing, half.precision.ac_blocks, half.optim.grad_accum_steps) == \
+        ("selective", 4, 2)
+    assert cfg.precision.activation_checkpointing == "none"  # a copy
+    assert with_setting(cfg, "fsdp_prefetch", 3, 1).parallel.fsdp_prefetch == 3
+    assert accumulated_batches(64, 2) == [32, 16, 8, 4, 2, 1] and accumulated_batches(48, 1) == [48, 24, 12, 6, 3]
+    with pytest.raises(UserError, match="--tune fsdp_prefetch"):
+        validate(cli_config(["--config", "tiny", "--tune", "fsdp_prefetch"], "tiny", "train.py"), Launch(1, False))
 
 
 def test_oom_in_one_process_is_recovered_and_the_search_goes_on(tiny_data, tmp_path):

@@ -2,11 +2,15 @@
 
     python -m tools.tune_batch_size --config short_opt [any train.py overrides] [--out FILE.json]
     torchrun --nproc_per_node 2 -m tools.tune_batch_size --config vit_2b --fsdp zero3 ...
+    torchrun --nproc_per_node 2 -m tools.tune_batch_size --config vit_2b --fsdp zero3 --tune ac_blocks \
+        --global_batch_size 64
     sbatch submit_pm.sh --tune --config=short
 
 Launched like ``train.py`` and parsed by the same config (the tuner's own keys are in the section
 "batch-size tuner" of ``--help``). Prints the table of trials and, per objective, the choice and the
-exact ``train.py`` arguments; writes the JSON (``--out``) and a PNG beside it. How trials run and
+exact ``train.py`` arguments; writes the JSON (``--out``) and a PNG beside it. ``--tune ac_blocks``
+(or ``fsdp_prefetch``) searches, at the config's global batch, the fastest clean combination of local
+batch (with the accumulation that keeps the global batch) and that setting instead. How trials run and
 what happens on OOM: ``utils/tuning.py``; the search and the choices: ``utils/batch_tuner.py``.
 """
 
@@ -32,7 +36,8 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> int
     from distributed.env import detect_launch, distributed_session
     from utils.logging_utils import setup_logging
     from utils.schema import Launch, validate
-    from utils.tuning import journal_path, out_path, summary, trial_config, tune, without_tuner_keys, write_outputs
+    from utils.tuning import (journal_path, out_path, summary, trial_config, tune, tune_combination, without_tuner_keys,
+                              write_outputs)
 
     launch = detect_launch()
     # as the trials run: with synthetic batches, the configured loader (DALI, say) need not be installed here
@@ -40,11 +45,12 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> int
     with distributed_session(cfg.parallel, launch) as world:
         setup_logging(None, world.rank)
         out = out_path(cfg)
-        result = tune(cfg, world, without_tuner_keys(argv), journal_path(out))
+        search = tune if cfg.tune.tune == "batch" else tune_combination
+        result = search(cfg, world, without_tuner_keys(argv), journal_path(out))
         if world.is_main:
-            png = write_outputs(result, out)
+            written = write_outputs(result, out)
             print(summary(result), flush=True)
-            logging.getLogger(__name__).info("wrote %s and %s", out, png)
+            logging.getLogger(__name__).info("wrote %s", " and ".join(map(str, written)))
     return 0
 
 

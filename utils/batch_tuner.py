@@ -60,6 +60,7 @@ class Trial:
     ooms: int = 0
     over_budget: bool = False
     error: str | None = None
+    setting: int | None = None  # the second dimension's value (ac_blocks, fsdp_prefetch) of a combined tuning
 
     def _failures(self) -> list[str]:
         return [name for name, failed in (("OOM", self.ooms), ("retries", self.alloc_retries),
@@ -221,6 +222,40 @@ def search(run_trial: Callable[[int], Trial], world: World, *, start: int = 8, r
     return list(trials.by_batch.values())
 
 
+def combine(run_trial: Callable[[int, int], Trial], world: World, *, settings: list[int], local_batches: list[int],
+            monotone: bool, deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[Trial]:
+    """For each of ``settings`` (values of a second dimension such as the number of checkpointed blocks),
+    the largest of ``local_batches`` (descending; the global batch is fixed, so smaller ones accumulate
+    more micro-batches) that runs clean on every rank; returns the agreed trials in measurement order,
+    each with its ``setting``. Every rank must call it.
+
+    ``run_trial(setting, local_batch)`` measures one combination on this rank. With ``monotone``
+    (later settings only save memory at a compute cost, as more activation checkpointing does), the
+    search stops after a setting that runs clean at the largest batch: later ones cannot be faster.
+    ``deadline`` (a ``clock()`` value) stops it after the trial that passes it.
+
+    Raises:
+        ValueError: no settings or local batches.
+    """
+    if not settings or not local_batches:
+        raise ValueError(f"need settings and local batches, got {settings} and {local_batches}")
+    out: list[Trial] = []
+    for setting in settings:
+        for batch in local_batches:
+            trial, late = agree(run_trial(setting, batch), world, deadline is not None and clock() > deadline)
+            out.append(replace(trial, setting=setting))
+            log.info("batch tuner: setting %d, local batch %d (global %d): %s samples/s, %.2f GiB reserved, %s",
+                     setting, batch, trial.global_batch_size, _fmt(trial.samples_per_s, ".1f"),
+                     trial.peak_reserved_bytes / GIB, trial.verdict)
+            if late:
+                return out
+            if trial.clean:
+                break
+        if monotone and out[-1].clean and out[-1].local_batch_size == local_batches[0]:
+            break
+    return out
+
+
 class NoCleanTrial(UserError):
     """No measured batch ran clean, so there is nothing to choose."""
 
@@ -305,31 +340,35 @@ _COLUMNS = (("local", lambda t: str(t.local_batch_size)), ("global", lambda t: s
             ("verdict", lambda t: t.verdict))
 
 
-def report_table(trials: list[Trial]) -> str:
+def report_table(trials: list[Trial], setting: str | None = None) -> str:
     """The trials as a plain-text table, one row per local batch in increasing order: local and global
     batch, samples/s, MFU, step time (s), peak allocated and reserved (GiB), fragmentation
-    (inactive split blocks, GiB), retries, OOMs and the verdict; ``-`` where unknown."""
-    rows = [[h for h, _ in _COLUMNS]] + [[cell(t) for _, cell in _COLUMNS]
-                                         for t in sorted(trials, key=lambda t: t.local_batch_size)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    (inactive split blocks, GiB), retries, OOMs and the verdict; ``-`` where unknown. With a ``setting``
+    name (a combined tuning), a first column holds each trial's setting, and rows are in measurement order."""
+    columns = (((setting, lambda t: _fmt(t.setting, "d")),) if setting else ()) + _COLUMNS
+    ordered = trials if setting else sorted(trials, key=lambda t: t.local_batch_size)
+    rows = [[h for h, _ in columns]] + [[cell(t) for _, cell in columns] for t in ordered]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def save_json(path: str | Path, trials: list[Trial], choices: dict[str, Trial],
-              args: dict[str, list[str]]) -> None:
+              args: dict[str, list[str]], extra: dict | None = None) -> None:
     """Write ``{"trials": [...], "choice": {"max-throughput": {...}, "min-batch-at-peak": {...}}}``.
 
     Each choice is its trial's :meth:`Trial.to_dict` (``local_batch_size``, ``samples_per_s``, ...)
     plus ``args``, the ``train.py`` arguments in ``args[objective]`` (:func:`choice_args`); an objective
-    missing from ``choices`` (no clean trial) is null. Creates the parent directory.
+    missing from ``choices`` (no clean trial) is null; ``extra`` keys are added at the top level.
+    Creates the parent directory.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     chosen = {name: {**choices[name].to_dict(), "args": args[name]} if name in choices else None
               for name in OBJECTIVES}
-    path.write_text(json.dumps({"trials": [t.to_dict() for t in trials], "choice": chosen}, indent=2))
+    path.write_text(json.dumps({**(extra or {}), "trials": [t.to_dict() for t in trials], "choice": chosen},
+                               indent=2))
 
 
 def plot(path: str | Path, trials: list[Trial]):

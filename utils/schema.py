@@ -199,6 +199,9 @@ class TuneConfig:
 
     out: Optional[str] = key(None, "tuner: JSON of trials and choices, with a PNG beside it (null: "
                                    "<expdir>/<config>/tune_batch_size.json)")
+    tune: Literal["batch", "ac_blocks", "fsdp_prefetch"] = key(
+        "batch", "tuner: what to search: the local batch; or, at the fixed global batch, the fastest clean local "
+                 "batch with each number of checkpointed blocks (ac_blocks) or FSDP prefetch depth")
     tune_data: Literal["synthetic", "real"] = key("synthetic", "tuner: random batches of the real shape, or the "
                                                                "configured loader")
     tune_start: int = key(8, "tuner: first local batch tried (doubled until a trial fails)", AT_LEAST_1)
@@ -496,6 +499,9 @@ def _check_batches(cfg: Config, launch: Launch) -> None:
     if t.tune_start > t.tune_max_batch:
         raise UserError(f"--tune_start {t.tune_start} exceeds --tune_max_batch {t.tune_max_batch}; lower the first "
                         "or raise the second")
+    if t.tune == "fsdp_prefetch" and cfg.parallel.fsdp == "none":
+        raise UserError("--tune fsdp_prefetch tunes FSDP's prefetch depth, but --fsdp is none; add --fsdp zero3 "
+                        "(or zero2, hsdp) or tune ac_blocks")
 
 
 def _check_precision(cfg: Config, launch: Launch) -> None:

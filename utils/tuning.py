@@ -29,7 +29,8 @@ import torch
 
 from distributed.env import World, broadcast_from_main
 from distributed.parallelize import AMP_DTYPES
-from utils.batch_tuner import OBJECTIVES, Trial, choice_args, choose, plot, report_table, save_json, search
+from utils.batch_tuner import (OBJECTIVES, Trial, choice_args, choose, combine, plot, report_table, save_json,
+                                search)
 from utils.data_loader import build_data
 from utils.errors import OutOfMemory
 from utils.flops import peak_flops, vit_flops_per_sample
@@ -57,6 +58,7 @@ class TuneResult:
     args: dict[str, list[str]]
     base_global: int
     base_lr: float
+    dimension: str = "batch"  # "batch", or the second dimension searched at a fixed global batch
 
     def lr(self, objective: str) -> float:
         """The learning rate ``args[objective]`` trains with (the scaled one when it sets ``--lr``)."""
@@ -334,6 +336,87 @@ def tune(cfg: Config, world: World, base_args: list[str], journal_path: Path, qu
     return TuneResult(trials, choices, args, base, cfg.optim.lr)
 
 
+# ---------------------------------------------------------------- a second dimension at a fixed global batch
+def setting_values(cfg: Config, dimension: str) -> list[int]:
+    """The values tried: checkpointed blocks 0, 1/4, 1/2, 3/4 and all of the depth (memory falls as they
+    rise); FSDP prefetch depths 0 to 3."""
+    if dimension == "ac_blocks":
+        depth = cfg.model.depth
+        return sorted({0, depth // 4, depth // 2, 3 * depth // 4, depth})
+    return [0, 1, 2, 3]
+
+
+def setting_args(cfg: Config, dimension: str, value: int) -> list[str]:
+    """The ``train.py`` arguments of one setting: no, selective (the first ``value`` blocks) or full
+    activation checkpointing; or ``--fsdp_prefetch value``."""
+    if dimension == "fsdp_prefetch":
+        return ["--fsdp_prefetch", str(value)]
+    if value == 0:
+        return ["--activation_checkpointing", "none"]
+    if value == cfg.model.depth:
+        return ["--activation_checkpointing", "full"]
+    return ["--activation_checkpointing", "selective", "--ac_blocks", str(value)]
+
+
+def with_setting(cfg: Config, dimension: str, value: int, accumulation: int) -> Config:
+    """A copy of ``cfg`` with the setting of :func:`setting_args` and ``accumulation`` micro-batches per step."""
+    cfg = copy.deepcopy(cfg)
+    if dimension == "fsdp_prefetch":
+        cfg.parallel.fsdp_prefetch = value
+    else:
+        cfg.precision.activation_checkpointing = ("none" if value == 0 else "full" if value == cfg.model.depth
+                                                  else "selective")
+        cfg.precision.ac_blocks = value if cfg.precision.activation_checkpointing == "selective" else 0
+    cfg.optim.grad_accum_steps = accumulation
+    return cfg
+
+
+def accumulated_batches(global_batch: int, dp: int) -> list[int]:
+    """Local batches that keep ``global_batch`` on ``dp`` ranks, largest first: the global batch per rank,
+    halved while it divides (each halving doubles the accumulation)."""
+    batches, local = [], global_batch // dp
+    while local >= 1 and global_batch % (dp * local) == 0:
+        batches.append(local)
+        if local % 2:
+            break
+        local //= 2
+    return batches
+
+
+def tune_combination(cfg: Config, world: World, base_args: list[str], journal_path: Path) -> TuneResult:
+    """At the config's global batch, the fastest clean combination of local batch (with the accumulation
+    that keeps the global batch) and ``cfg.tune.tune`` (``ac_blocks`` or ``fsdp_prefetch``); collective.
+    Trials are those of :func:`tune`, journaled per setting and accumulation.
+
+    Raises:
+        NoCleanTrial: no combination ran clean.
+        OutOfMemory: an OOM with several processes (the journals keep the progress).
+    """
+    t, dimension = cfg.tune, cfg.tune.tune
+    global_batch = base_batch(cfg, world.dp)
+    journals: list[Journal] = []
+
+    def run_trial(value: int, local_batch: int) -> Trial:
+        accumulation = global_batch // (world.dp * local_batch)
+        trial_cfg = with_setting(cfg, dimension, value, accumulation)
+        journal = Journal(journal_path.with_name(f"{journal_path.stem}.{dimension}{value}_x{accumulation}.jsonl"),
+                          fingerprint(trial_cfg, world), world)
+        journals.append(journal)
+        return BatchTrials(trial_cfg, world, journal, t.tune_warmup_steps, t.tune_steps)(local_batch)
+
+    deadline = None if t.max_minutes is None else time.monotonic() + 60 * t.max_minutes
+    trials = combine(run_trial, world, settings=setting_values(cfg, dimension),
+                     local_batches=accumulated_batches(global_batch, world.dp), monotone=dimension == "ac_blocks",
+                     deadline=deadline)
+    choices = choose(trials, t.tolerance)
+    args = {name: choice_args(c, base_args, cfg.optim.lr, global_batch) + setting_args(cfg, dimension, c.setting)
+            + ["--grad_accum_steps", str(global_batch // (world.dp * c.local_batch_size))]
+            for name, c in choices.items()}
+    for journal in journals:
+        journal.remove()
+    return TuneResult(trials, choices, args, global_batch, cfg.optim.lr, dimension)
+
+
 def without_tuner_keys(argv: list[str]) -> list[str]:
     """``argv`` without the tuner's own keys and ``--local_batch_size`` (``--key value`` or ``--key=value``):
     the part of a tuner command line that ``train.py`` takes as it is."""
@@ -353,28 +436,32 @@ def without_tuner_keys(argv: list[str]) -> list[str]:
 
 def summary(result: TuneResult) -> str:
     """The table and, per objective, the choice, its train.py arguments and any learning-rate scaling."""
-    lines = [report_table(result.trials), ""]
+    lines = [report_table(result.trials, None if result.dimension == "batch" else result.dimension), ""]
     for name in OBJECTIVES:
         choice = result.choices[name]
-        lines.append(f"{name}: local batch {choice.local_batch_size} (global {choice.global_batch_size}), "
+        setting = "" if result.dimension == "batch" else f", {result.dimension} {choice.setting}"
+        lines.append(f"{name}: local batch {choice.local_batch_size} (global {choice.global_batch_size}){setting}, "
                      f"{choice.samples_per_s:.1f} samples/s")
         if choice.global_batch_size != result.base_global:
             lines.append(f"  lr {result.base_lr:.6g} -> {result.lr(name):.6g}: scaled by sqrt({choice.global_batch_size}"
                          f" / {result.base_global}), the square-root rule of the config ladder")
         lines.append("  python train.py " + " ".join(result.args[name]))
     retried = [t for t in result.trials if t.alloc_retries and not t.ooms]
-    if retried:
+    if retried and result.dimension == "batch":
         lines.append(f"cudaMalloc retries from local batch {min(t.local_batch_size for t in retried)} on, "
                      "before any OOM: the allocator frees its cache and synchronizes there")
     return "\n".join(lines)
 
 
-def write_outputs(result: TuneResult, out: Path) -> Path:
-    """``out`` (the JSON of :func:`utils.batch_tuner.save_json`) and the PNG beside it; returns the PNG."""
-    save_json(out, result.trials, result.choices, result.args)
+def write_outputs(result: TuneResult, out: Path) -> list[Path]:
+    """``out`` (the JSON of :func:`utils.batch_tuner.save_json`, with ``tune``: what was searched) and, for a
+    batch search, the PNG of the curve beside it; returns the files written."""
+    save_json(out, result.trials, result.choices, result.args, {"tune": result.dimension})
+    if result.dimension != "batch":  # settings at one global batch: the table is the picture
+        return [out]
     png = out.with_suffix(".png")
     plot(png, result.trials)
-    return png
+    return [out, png]
 
 
 def out_path(cfg: Config) -> Path:
