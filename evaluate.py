@@ -100,7 +100,7 @@ def evaluate(args, cfg, world) -> None:
     from distributed.parallelize import AMP_DTYPES
     from tools.export_model import load_checkpoint_model
     from utils.data_loader import Stats, read_metadata, split_batches, time_step_hours
-    from utils.evaluation import checked_latitude_weights, lead_hours, score_rollouts
+    from utils.evaluation import checked_latitude_weights, format_scorecard, lead_hours, score_rollouts
 
     device, data = world.device, cfg.data
     channels = args.channels.split(",") if args.channels else list(cfg.evaluation.key_channels)
@@ -135,7 +135,6 @@ def evaluate(args, cfg, world) -> None:
     if world.is_main:
         write_scorecard(card, out, key_channels, {"checkpoint_step": step, "data_path": data.data_path,
                                                   "split": args.split, "init_every": args.init_every})
-        from utils.evaluation import format_scorecard
         print(format_scorecard(card, key_channels), flush=True)
         print(f"wrote {out / 'scorecard.json'}, scorecard.nc and scorecard.png", flush=True)
 

@@ -241,9 +241,12 @@ class Evaluator:
             NonFiniteError: the scores are NaN/Inf (naming the validation samples holding NaN/Inf).
         """
         first: list = []
-        # the first sample's first forecast and target (cloned: loader buffers are reused)
-        keep_first = lambda inp, forecasts, tar, idx: first or first.append((forecasts[0][0].clone(),  # noqa: E731
-                                                                            tar[0, 0].clone()))
+
+        def keep_first(inp, forecasts, tar, idx) -> None:
+            """The first sample's first forecast and target, for the figure (cloned: loader buffers are reused)."""
+            if not first:
+                first.append((forecasts[0][0].clone(), tar[0, 0].clone()))
+
         sums, checks = score_rollouts(model, self.data.valid, self.data.stats, self.lat_weights, self.steps,
                                       autocast, keep_first if self.world.is_main else None, self.baselines is None)
         sums.reduce(self.world)
