@@ -99,7 +99,7 @@ def evaluate(args, cfg, world) -> None:
 
     from distributed.parallelize import AMP_DTYPES
     from tools.export_model import load_checkpoint_model
-    from utils.data_loader import Stats, read_metadata, split_batches, time_step_hours
+    from utils.data_loader import Stats, read_metadata, read_time_axis, split_batches
     from utils.evaluation import checked_latitude_weights, format_scorecard, lead_hours, score_rollouts
 
     device, data = world.device, cfg.data
@@ -120,7 +120,7 @@ def evaluate(args, cfg, world) -> None:
     model.to(device)
     dtype = AMP_DTYPES[cfg.precision.amp_mode] if device.type == "cuda" else None
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    leads = lead_hours(data.dt, time_step_hours(dataset.files[0].path), args.lead_steps)
+    leads = lead_hours(data.dt, read_time_axis(dataset.files[0].path, 0).step_hours, args.lead_steps)
     writer = ForecastWriter(dataset, stats, names, lat, leads) if args.save_forecasts else None
     try:
         sums, _ = score_rollouts(model, batches, stats, checked_latitude_weights(lat, device), args.lead_steps,

@@ -117,7 +117,7 @@ def export_model(run_dir: Path, step: int | None = None, out: Path | None = None
     """
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
-    model, n = load_checkpoint_model(run_dir, cfg, step, pick_checkpoint(run_dir / "checkpoints", step))
+    model, n = load_checkpoint_model(run_dir, cfg, path=pick_checkpoint(run_dir / "checkpoints", step))
     out = Path(out) if out is not None else run_dir / "checkpoints" / f"model_step_{n}.pt"
     save_file({"model": model.state_dict(), "step": n, "config": cfg.flat()}, out,
               "free space or pass --out on a larger filesystem")

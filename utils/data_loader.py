@@ -31,16 +31,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from tools.era5_layout import (ATTR_CALENDAR, ATTR_CHANNEL_NAMES, ATTR_DT_HOURS, ATTR_START_TIME, FIELDS, LATITUDE,
+                               LONGITUDE)
 from utils.errors import UserError
 from utils.schema import DataConfig
 
-FIELDS = "fields"
-LATITUDE = "latitude"
-CHANNEL_NAMES = "channel_names"
-DT_HOURS = "dt_hours"
-START_TIME = "start_time"
-CALENDAR = "calendar"
-LONGITUDE = "longitude"
 DEFAULT_STEP_HOURS = 6.0
 SPLITS = ("train", "valid")
 STATS_HINT = "recompute the statistics with the data tools (python -m tools.convert_era5 or tools.make_synthetic_data)"
@@ -628,29 +623,6 @@ def equiangular_latitudes(h: int) -> np.ndarray:
     return np.linspace(90.0, -90.0, h)
 
 
-def time_step_hours(path: Path) -> float:
-    """Hours between the time steps of one file of the layout (attribute ``dt_hours`` of ``fields``);
-    :data:`DEFAULT_STEP_HOURS` for files without it (older files, the tutorial's 6-hourly ERA5).
-
-    Raises:
-        UserError: h5py cannot read the file, or ``dt_hours`` is not a positive number.
-    """
-    try:
-        with h5py.File(path, "r") as f:
-            value = f[FIELDS].attrs.get(DT_HOURS, DEFAULT_STEP_HOURS)
-    except OSError as exc:
-        raise UserError(f"cannot read the metadata of {path} ({_one_line(exc)}); the file is damaged: "
-                        "re-create it with the data tools") from None
-    try:
-        hours = float(value)
-    except (TypeError, ValueError):
-        hours = math.nan
-    if not hours > 0 or math.isinf(hours):
-        raise UserError(f"{path}: attribute {DT_HOURS}={value!r} is not a positive number of hours; re-create the "
-                        "file with the data tools")
-    return hours
-
-
 @dataclass
 class TimeAxis:
     """A file's time coordinate: ``start`` (ISO 8601 time of step 0, or None when the file has none),
@@ -671,7 +643,8 @@ class TimeAxis:
 
 
 def read_time_axis(path: Path, w: int) -> TimeAxis:
-    """The :class:`TimeAxis` of one file of the layout (``w``: longitudes wanted).
+    """The :class:`TimeAxis` of one file of the layout (``w``: longitudes wanted). Files without
+    ``dt_hours`` (older ones, the tutorial's 6-hourly ERA5) get :data:`DEFAULT_STEP_HOURS`.
 
     Raises:
         UserError: the file cannot be read, or its ``dt_hours`` is not a positive number.
@@ -679,13 +652,21 @@ def read_time_axis(path: Path, w: int) -> TimeAxis:
     try:
         with h5py.File(path, "r") as f:
             attrs = f[FIELDS].attrs
-            start, calendar = attrs.get(START_TIME), attrs.get(CALENDAR, "standard")
+            step, start, calendar = (attrs.get(ATTR_DT_HOURS, DEFAULT_STEP_HOURS), attrs.get(ATTR_START_TIME),
+                                     attrs.get(ATTR_CALENDAR, "standard"))
             lon = f[LONGITUDE][:w].astype(np.float64) if LONGITUDE in f else np.linspace(0, 360, w, endpoint=False)
     except OSError as exc:
         raise UserError(f"cannot read the metadata of {path} ({_one_line(exc)}); the file is damaged: "
                         "re-create it with the data tools") from None
+    try:
+        hours = float(step)
+    except (TypeError, ValueError):
+        hours = math.nan
+    if not hours > 0 or math.isinf(hours):
+        raise UserError(f"{path}: attribute {ATTR_DT_HOURS}={step!r} is not a positive number of hours; re-create "
+                        "the file with the data tools")
     text = lambda v: v.decode() if isinstance(v, bytes) else None if v is None else str(v)  # noqa: E731
-    return TimeAxis(text(start), text(calendar), time_step_hours(path), lon)
+    return TimeAxis(text(start), text(calendar), hours, lon)
 
 
 def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.ndarray]:
@@ -712,7 +693,7 @@ def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.nd
 
 def _channel_names(fields: h5py.Dataset, n_channels: int) -> list[str]:
     try:
-        names = fields.attrs.get(CHANNEL_NAMES)
+        names = fields.attrs.get(ATTR_CHANNEL_NAMES)
     except (OSError, TypeError, ValueError):  # an attribute type h5py cannot read
         names = None
     if (not isinstance(names, np.ndarray) or names.ndim != 1 or len(names) != n_channels
@@ -802,7 +783,8 @@ def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, dev
                                       is_train, cfg.num_data_workers, device=device, stats=stats, ring=ring)
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
-    return Data(train, valid, stats, names, lat, n_train, train_ds, valid_ds, time_step_hours(train_ds.files[0].path))
+    return Data(train, valid, stats, names, lat, n_train, train_ds, valid_ds,
+                read_time_axis(train_ds.files[0].path, img[1]).step_hours)
 
 
 def split_batches(cfg: DataConfig, split: str, batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
