@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[data,dev,dali,grib]'
+	$(BIN)/pip install -q -e '.[data,dev,dali,grib,fp8]'
 	touch $@
 
 data: $(TINY)

@@ -118,6 +118,8 @@ def evaluate(args, cfg, world) -> None:
     key_channels = channels or names[:4]
     model, step = load_checkpoint_model(args.run_dir, cfg, args.step, args.checkpoint)
     model.to(device)
+    # the run's autocast dtype on a GPU; a run trained with fp8 is scored in bf16 (its checkpoint holds plain
+    # weights, and the plain model loads them)
     dtype = AMP_DTYPES[cfg.precision.amp_mode] if device.type == "cuda" else None
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
     leads = lead_hours(data.dt, read_time_axis(dataset.files[0].path, 0).step_hours, args.lead_steps)

@@ -5,9 +5,9 @@
     torchrun --nproc_per_node=4 train.py --config bs64_opt
     sbatch submit_pm.sh --config=short
 
-Order: parse the config, validate it against the launch (world size, GPU present), join the other
-ranks, then train. Nothing is written to disk before the config, the launch and the data have been
-checked. Expected errors (bad config, data or environment) print one line, ``error: ...``, on every
+Order: parse the config, validate it against the launch (world size, GPU and its compute capability),
+join the other ranks, then train. Nothing is written to disk before the config, the launch and the data
+have been checked. Expected errors (bad config, data or environment) print one line, ``error: ...``, on every
 rank and exit with status 2.
 """
 
@@ -27,14 +27,12 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") 
     cfg = cli_config(argv, default_config, prog)
     if cfg is None:  # --help, --list-configs or --print-config
         return 0
-    import torch
-
-    from distributed.env import detect_launch, distributed_session
-    from utils.schema import Launch, validate
+    from distributed.env import detect_launch, distributed_session, validation_launch
+    from utils.schema import validate
     from utils.trainer import run
 
     launch = detect_launch()
-    validate(cfg, Launch(launch.world_size, torch.cuda.is_available()))
+    validate(cfg, validation_launch(launch))
     with distributed_session(cfg.parallel, launch) as world:
         run(cfg, world)
     return 0

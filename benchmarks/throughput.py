@@ -23,6 +23,9 @@ OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
 # H100 the default compile mode equalled CUDA graphs (reduce-overhead) and max-autotune did not finish
 # compiling in 8 minutes.
 FAST = OPT + ["--attention_backend", "cudnn", "--compile_pdl", "true"]
+# FAST with attention on the packed QKV (kernels/cudnn_attention.py); a later argument overrides an earlier one
+PACKED = FAST + ["--attention_backend", "cudnn_packed"]
+FP8 = ["--amp_mode", "fp8"]
 SYNTH = ["--data_loader_config", "synthetic"]
 VARIANTS = {
     # the reference code's three setups (native loader)
@@ -42,6 +45,15 @@ VARIANTS = {
     "synthetic_fast": SYNTH + FAST,
     "synthetic_fast_autotune": SYNTH + FAST + ["--compile_mode", "max-autotune-no-cudagraphs"],
     "synthetic_fast_cudagraphs": SYNTH + FAST + ["--compile_mode", "reduce-overhead"],
+    # round 2: packed-QKV attention, float8 linears (torchao), and their loaders
+    "synthetic_packed": SYNTH + PACKED,
+    "packed_w8": PACKED + ["--num_data_workers", "8"],
+    "packed_dali_w8": PACKED + ["--data_loader_config", "dali", "--num_data_workers", "8"],
+    "synthetic_fp8": SYNTH + FAST + FP8,
+    "synthetic_fp8_rowwise": SYNTH + FAST + FP8 + ["--fp8_recipe", "rowwise"],
+    "synthetic_fp8_packed": SYNTH + PACKED + FP8,
+    "fp8_packed_w8": PACKED + FP8 + ["--num_data_workers", "8"],
+    "fp8_packed_dali_w8": PACKED + FP8 + ["--data_loader_config", "dali", "--num_data_workers", "8"],
 }
 DEFAULT = ("fp32_w0,fp32_w8,opt_w8,fast_w8,fast_dali_w8,synthetic_fp32,synthetic_bf16,synthetic_opt,"
            "synthetic_fast")

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.rendezvous import FailureChannel, finish, rendezvous
 from utils.errors import NothingToDo, Preempted, UserError, failure_status
-from utils.schema import ParallelConfig, data_parallel_size
+from utils.schema import Launch, ParallelConfig, data_parallel_size
 
 
 @dataclass
@@ -177,6 +177,16 @@ def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str
     mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
     hsdp = mesh[("dp_replicate", "dp_shard")]
     return {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
+
+
+def validation_launch(env: LaunchEnv) -> Launch:
+    """What :func:`utils.schema.validate` checks the config against: the world size, whether a CUDA GPU is
+    visible and the compute capability of the one this rank will train on (``cuda:<local rank>``; the first
+    when there are fewer GPUs, which :func:`select_device` then refuses)."""
+    if not torch.cuda.is_available():
+        return Launch(env.world_size)
+    index = env.local_rank if env.local_rank < torch.cuda.device_count() else 0
+    return Launch(env.world_size, True, torch.cuda.get_device_capability(index))
 
 
 def select_device(env: LaunchEnv) -> torch.device:

@@ -1,9 +1,11 @@
 """Apply parallelism and memory levers to a plain ``networks/vit.py`` model, in this order:
 
-1. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims;
-2. activation checkpointing (full, every k-th block, or an op-level selective policy);
-3. ``torch.compile`` (per block under FSDP so FSDP's hooks stay outside compiled code);
-4. data parallel over ``dp``: FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3, HSDP) or DDP.
+1. float8 linears in the blocks with ``--amp_mode fp8`` (``distributed/float8.py``), before anything
+   wraps or shards them;
+2. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims;
+3. activation checkpointing (full, every k-th block, or an op-level selective policy);
+4. ``torch.compile`` (per block under FSDP so FSDP's hooks stay outside compiled code);
+5. data parallel over ``dp``: FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3, HSDP) or DDP.
 
 Also the hooks the training loop needs: gradient-sync suppression during accumulation,
 reduction of gradients of tensor/context-replicated parameters, and a GradScaler whose skipped
@@ -26,9 +28,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from distributed.env import World
+from distributed.float8 import apply_float8
+from kernels.cudnn_attention import packed_attention
 from utils.schema import ParallelConfig, PrecisionConfig
 
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# autocast dtype, also FSDP's parameter dtype; fp8 runs bf16 wherever its float8 linears do not
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 # Op-level selective checkpointing: keep the outputs of matmuls and attention (expensive to
 # recompute), recompute the cheap pointwise and normalization ops (most of the activation bytes).
@@ -36,10 +41,12 @@ _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_mm.default,  # the float8 GEMMs of --amp_mode fp8
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.era5vit.cudnn_packed_attention.default,
 }
 
 
@@ -69,6 +76,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
                 context_fn=partial(create_selective_checkpoint_contexts, _op_policy))
 
 
+def apply_packed_attention(model: nn.Module) -> None:
+    """Run every block's attention through the packed-QKV cuDNN kernel (``kernels/cudnn_attention.py``):
+    it reads q, k, v where the QKV projection wrote them and writes their gradients into one buffer."""
+    for block in model.blocks:
+        block.attn.attend = packed_attention
+
+
 def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world: World) -> None:
     """Shard with FSDP2 ``fully_shard``: each block, then the root (in place).
 
@@ -79,7 +93,8 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world:
     (``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``): more overlap,
     more memory held; 0 keeps FSDP2's defaults (gather on use, backward implicit next-1).
     ``fsdp_cpu_offload`` keeps shards, gradients and optimizer state on the host
-    (``CPUOffloadPolicy``; the model must be materialized on the CPU).
+    (``CPUOffloadPolicy``; the model must be materialized on the CPU). Parameters are gathered in the AMP
+    dtype (bf16 for fp8), the float8 linears' weights in float8 where ``distributed/float8.py`` enables it.
     """
     mesh = world.meshes["hsdp" if parallel.fsdp == "hsdp" else "dp"]
     param_dtype = AMP_DTYPES[amp_mode]
@@ -129,13 +144,17 @@ def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionCo
 
 def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
                       grad_accum_steps: int = 1) -> nn.Module:
-    """Return the model to train: parallelized, checkpointed, compiled and on ``world.device``."""
+    """Return the model to train: float8, parallelized, checkpointed, compiled and on ``world.device``."""
+    fsdp = uses_fsdp(parallel, world)
+    if precision.amp_mode == "fp8":
+        apply_float8(model, precision, fsdp)
     if world.tp > 1 or world.cp > 1:
         from distributed.tensor_parallel import apply_tensor_context_parallel
         apply_tensor_context_parallel(model, world.group("tp"), world.group("cp"))
+    if precision.attention_backend == "cudnn_packed":
+        apply_packed_attention(model)
     apply_activation_checkpointing(model, precision.activation_checkpointing, precision.ac_every,
                                    precision.ac_blocks)
-    fsdp = uses_fsdp(parallel, world)
     if precision.enable_jit:
         if precision.compile_pdl:
             enable_programmatic_dependent_launch()

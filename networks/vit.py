@@ -75,9 +75,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        qkv = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
-        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+        qkv = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim)
+        return self.proj(self.attend(qkv).reshape(b, n, -1))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Packed ``(B, N, 3, H, D)`` q, k, v -> ``(B, N, H, D)`` attention outputs.
+
+        An instance attribute of the same name replaces it (``distributed/parallelize.py`` installs a
+        kernel that reads the packed layout in place, ``kernels/cudnn_attention.py``).
+        """
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
 class MLP(nn.Module):

@@ -3,6 +3,7 @@ lr-schedule helpers."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -265,7 +266,7 @@ def test_wrong_type(key, raw, pattern):
         load(**{key: raw})
 
 
-@pytest.mark.parametrize("key,raw", [("amp_mode", "fp8"), ("lr_schedule", "linear"), ("fsdp", "zero1"),
+@pytest.mark.parametrize("key,raw", [("amp_mode", "fp4"), ("lr_schedule", "linear"), ("fsdp", "zero1"),
                                      ("nettype", "ResNet"), ("data_loader_config", "ffcv")])
 def test_bad_choice(key, raw):
     with pytest.raises(UserError, match=f"--{key} must be one of") as exc:
@@ -418,7 +419,7 @@ def test_keys_left_out_of_the_yaml_take_the_schema_default(tmp_path):
     ("a:\n  lr: fast\n", r"c.yaml, config a: lr expects a number \(FLOAT\), got 'fast'"),
     ("a:\n  depth: true\n", r"config a: depth expects an integer"),
     ("a:\n  img_size: 64\n", r"config a: img_size expects a list like"),
-    ("a:\n  amp_mode: fp8\n", r"config a: amp_mode must be one of none, fp16, bf16"),
+    ("a:\n  amp_mode: fp4\n", r"config a: amp_mode must be one of none, fp16, bf16, fp8"),
     ("a:\n  depht: 3\n", r"config a: unknown config key depht; did you mean depth"),
     ("a:\n  depth: 0\n", r"--depth must be >= 1, got 0"),
     # a key repeated inside a config that also uses a merge key: YAML would keep the last silently
@@ -443,6 +444,9 @@ def test_an_option_given_twice_takes_the_last_value():
 
 
 # ---------------------------------------------------------------- cross-field validation
+A100, H100 = Launch(cuda=True, cuda_capability=(8, 0)), Launch(cuda=True, cuda_capability=(9, 0))
+
+
 @pytest.mark.parametrize("overrides,launch,pattern", [
     ({"img_size": "[30,64]", "patch_size": "4"}, Launch(), r"img_size \[30,64\] is not a multiple of patch_size 4"),
     ({"num_heads": "5"}, Launch(), "embed_dim 384 is not divisible by num_heads 5"),
@@ -464,6 +468,19 @@ def test_an_option_given_twice_takes_the_last_value():
     ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(),
      "--ac_blocks 13 exceeds the model depth 12"),
     ({"run_num": "a/b"}, Launch(), "must be a plain name"),
+    # --amp_mode fp8: a Hopper GPU, no TP/CP or CPU offload, widths of multiples of 16; its keys need it
+    ({"amp_mode": "fp8"}, Launch(), r"compute capability 9.0 \(Hopper\) or newer, but no CUDA GPU is visible; "
+                                    "use --amp_mode bf16"),
+    ({"amp_mode": "fp8"}, A100, "compute capability 9.0 .* but this GPU's is 8.0; use --amp_mode bf16"),
+    ({"amp_mode": "fp8", "tensor_parallel": "2"}, Launch(2, True, (9, 0)), "fp8 is not supported with tensor or"),
+    ({"amp_mode": "fp8", "context_parallel": "2"}, Launch(2, True, (9, 0)), "fp8 is not supported with tensor or"),
+    ({"amp_mode": "fp8", "fsdp": "zero3", "fsdp_cpu_offload": "true"}, Launch(2, True, (9, 0)),
+     "fp8 is not supported with --fsdp_cpu_offload"),
+    ({"amp_mode": "fp8", "embed_dim": "392"}, H100, "multiples of 16, but embed_dim is 392 and the MLP hidden "
+                                                     r"width \(embed_dim x mlp_ratio\) 1568"),
+    ({"amp_mode": "fp8", "mlp_ratio": "4.1"}, H100, "multiples of 16, but embed_dim is 384 and the MLP .* 1574"),
+    ({"fp8_recipe": "rowwise"}, H100, "--fp8_recipe has no effect without --amp_mode fp8; add --amp_mode fp8 or drop"),
+    ({"fp8_all_gather": "false", "amp_mode": "bf16"}, H100, "--fp8_all_gather has no effect without --amp_mode fp8"),
 ])
 def test_cross_field_checks(overrides, launch, pattern):
     with pytest.raises(UserError, match=pattern):
@@ -475,6 +492,22 @@ def test_valid_settings_pass_validation(tmp_path):
     validate(load_cfg("short_opt", expdir=str(tmp_path)), Launch(world_size=1, cuda=True))
     validate(load_cfg("mp", fsdp="zero3", fsdp_cpu_offload="true", expdir=str(tmp_path)),
              Launch(world_size=2, cuda=True))
+
+
+def test_fp8_passes_on_hopper_with_its_keys(tmp_path):
+    pytest.importorskip("torchao")
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        validate(load_cfg("short_opt", amp_mode="fp8", fp8_recipe=recipe, expdir=str(tmp_path)), H100)
+    validate(load_cfg("short", amp_mode="fp8", fsdp="zero3", fp8_all_gather="false", expdir=str(tmp_path)),
+             Launch(2, True, (10, 0)))
+
+
+def test_fp8_without_torchao_names_the_extra(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "torchao" else find_spec(name, *args))
+    with pytest.raises(UserError, match=r"--amp_mode fp8 needs torchao: pip install -e '\.\[fp8\]'"):
+        validate(load_cfg(amp_mode="fp8"), H100)
 
 
 def test_expdir_that_is_a_file_or_read_only_is_rejected(tmp_path):
@@ -493,7 +526,7 @@ def test_help_lists_every_key_by_section_within_80_columns():
         assert f"\n{title}\n" in text
     for name, spec in KEYS.items():
         assert f"--{name} " in text, name
-    assert "--amp_mode {none,fp16,bf16}  (default none)" in text
+    assert "--amp_mode {none,fp16,bf16,fp8}  (default none)" in text
     assert "--local_batch_size INT or {auto} or null  (default null)" in text
 
 

@@ -1,10 +1,12 @@
 """GPU-only checks (skipped without CUDA): the prefetching loader and the DALI GPU pipeline equal the CPU path;
-the checkpoint's page-locked host buffers; the memory profiling window's allocator snapshots (loaded by
-PyTorch's own tools), CUDA statistics and FSDP2 memory tracker."""
+fp8 training on Hopper (one GPU, and FSDP's float8 all-gather on two); the checkpoint's page-locked host
+buffers; the memory profiling window's allocator snapshots (loaded by PyTorch's own tools), CUDA statistics
+and FSDP2 memory tracker."""
 
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import pytest
@@ -141,6 +143,40 @@ def test_fsdp_cpu_offload_trains_on_two_gpus(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(next(tmp_path.glob("tiny/2GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
     assert record["loss/train"] == record["loss/train"] and record["memory/peak_allocated"] > 0
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _last_record(tmp_path, gpus: int) -> dict:
+    return json.loads(next(tmp_path.glob(f"tiny/{gpus}GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a GPU of compute capability 9.0 (Hopper) or newer")
+@pytest.mark.parametrize("args", [
+    ["--img_size", "[32,64]"],  # 128 tokens per sample
+    ["--img_size", "[20,36]"],  # 45 tokens per sample: zero-padded weight-gradient GEMMs
+    ["--enable_jit", "true", "--fp8_recipe", "rowwise"],
+], ids=["aligned", "padded", "compiled-rowwise"])
+def test_fp8_trains_on_hopper(tiny_data, tmp_path, args):
+    pytest.importorskip("torchao")
+    proc = _train_cli(tmp_path, tiny_data, "--amp_mode", "fp8", *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert math.isfinite(_last_record(tmp_path, 1)["loss/train"])
+
+
+@pytest.mark.skipif(not _hopper() or torch.cuda.device_count() < 2, reason="needs 2 Hopper or newer GPUs")
+def test_fp8_with_float8_all_gather_trains_on_two_gpus(tiny_data, tmp_path):
+    """FSDP's float8 all-gather over NCCL, with the scales precomputed after each step."""
+    import sys
+    from tests.dist_utils import free_port
+    pytest.importorskip("torchao")
+    proc = _train_cli(tmp_path, tiny_data, "--amp_mode", "fp8", "--fsdp", "zero3", "--global_batch_size", "8",
+                      launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                f"--master_port={free_port()}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert math.isfinite(_last_record(tmp_path, 2)["loss/train"])
 
 
 def test_checkpoint_host_buffers_are_page_locked_and_hold_the_state():

@@ -48,6 +48,19 @@ def test_bf16_and_fused_and_clipping_run(tiny_data, tmp_path):
     assert all(torch.isfinite(v).all() for v in sd.values())
 
 
+def test_after_step_hook_runs_once_per_optimizer_step_after_adam(tmp_path):
+    """TrainingStep's ``after_step`` (fp8's float8 weight scales under FSDP) sees the updated weights."""
+    from distributed.env import init_distributed
+    from utils.train_step import build_training_step
+    cfg = tiny_params(tmp_path, tmp_path, grad_accum_steps=2)
+    step = build_training_step(cfg, init_distributed(cfg.parallel))
+    seen = []
+    step.after_step = lambda: seen.append(len(step.optimizer.state))  # Adam's state exists after its step
+    x = torch.randn(2, 4, 32, 64)
+    step(iter([(x, x[:, None], torch.arange(2))] * 2))
+    assert seen == [len(list(step.model.parameters()))]
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, accum):
     overrides = {"num_iters": 5, "global_batch_size": 8}

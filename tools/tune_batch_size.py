@@ -31,17 +31,15 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> int
     cfg = cli_config(argv, default_config, prog)
     if cfg is None:  # --help, --list-configs or --print-config
         return 0
-    import torch
-
-    from distributed.env import detect_launch, distributed_session
+    from distributed.env import detect_launch, distributed_session, validation_launch
     from utils.logging_utils import setup_logging
-    from utils.schema import Launch, validate
+    from utils.schema import validate
     from utils.tuning import (journal_path, out_path, summary, trial_config, tune, tune_combination, without_tuner_keys,
                               write_outputs)
 
     launch = detect_launch()
     # as the trials run: with synthetic batches, the configured loader (DALI, say) need not be installed here
-    validate(trial_config(cfg, cfg.tune.tune_start), Launch(launch.world_size, torch.cuda.is_available()))
+    validate(trial_config(cfg, cfg.tune.tune_start), validation_launch(launch))
     with distributed_session(cfg.parallel, launch) as world:
         setup_logging(None, world.rank)
         out = out_path(cfg)

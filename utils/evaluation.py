@@ -277,7 +277,7 @@ class Evaluator:
             raise NonFiniteError(f"NaN/Inf in the validation data: {bad}; fix or exclude that file "
                                  "(re-run the converter, check for missing values)")
         raise NonFiniteError("validation metrics are NaN/Inf with finite data: the model's predictions overflow; "
-                             "lower --lr, set --max_grad_norm 1.0, or use --amp_mode bf16 instead of fp16"
+                             "lower --lr, set --max_grad_norm 1.0, or use --amp_mode bf16 instead of fp16 or fp8"
                              + (f", or score fewer --valid_rollout_steps than {self.steps}" if self.steps > 1 else ""))
 
     def _prediction_figure(self, pred: torch.Tensor, target: torch.Tensor):

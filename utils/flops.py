@@ -40,7 +40,11 @@ def vit_flops_per_sample(model, data) -> float:
 
 
 def peak_flops(device: torch.device, amp_mode: str) -> float | None:
-    """Dense peak FLOP/s of ``device`` for the AMP mode, or None when unknown (e.g. CPU)."""
+    """Dense peak FLOP/s of ``device`` for the AMP mode, or None when unknown (e.g. CPU).
+
+    fp16 has the bf16 peak. fp8 is measured against the bf16 peak too: attention and the layers outside the
+    float8 linears run bf16, so the MFU of fp8 and bf16 runs compare directly (a faster fp8 run scores higher).
+    """
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

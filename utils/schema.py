@@ -21,9 +21,12 @@ from typing import Any, Literal, Optional, Union
 from utils.errors import UserError
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
-CUDA_ONLY_ATTENTION = ("cudnn", "flash", "efficient")
+CUDA_ONLY_ATTENTION = ("cudnn", "cudnn_packed", "flash", "efficient")
 # SDPA kernels that take half precision only (PyTorch docs, torch.nn.attention.SDPBackend)
-HALF_ONLY_ATTENTION = ("cudnn", "flash")
+HALF_ONLY_ATTENTION = ("cudnn", "cudnn_packed", "flash")
+# keys that matter only with --amp_mode fp8; float8 tensor cores start with Hopper (sm_90)
+FP8_KEYS = ("fp8_recipe", "fp8_all_gather")
+FP8_MIN_CAPABILITY = (9, 0)
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,22 @@ class OptimConfig:
 class PrecisionConfig:
     """Precision and speed: AMP, fused Adam, compile, attention kernel, activation checkpointing."""
 
-    amp_mode: Literal["none", "fp16", "bf16"] = key("none", "autocast dtype; fp16 adds a GradScaler")
+    amp_mode: Literal["none", "fp16", "bf16", "fp8"] = key(
+        "none", "autocast dtype; fp16 adds a GradScaler; fp8: bf16 autocast plus float8 linears (torchao) in the "
+                "transformer blocks (Hopper or newer GPU, the fp8 extra)")
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = key(
+        "tensorwise", "fp8: torchao.float8 recipe: per-tensor or per-row dynamic scaling; rowwise_with_gw_hp keeps "
+                      "the weight-gradient GEMM in bf16")
+    fp8_all_gather: bool = key(True, "fp8 under FSDP with the tensorwise recipe: all-gather weights in float8 (half "
+                                     "the bytes of bf16); rowwise recipes gather bf16")
     enable_fused: bool = key(False, "fused Adam kernel")
     enable_jit: bool = key(False, "torch.compile the model and the loss")
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = key(
         "default", "torch.compile mode (needs enable_jit)")
     compile_pdl: bool = key(False, "compiled kernels use Programmatic Dependent Launch (Hopper+)")
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = key(
-        "auto", "scaled_dot_product_attention kernel; cudnn/flash need a GPU and bf16/fp16")
+    attention_backend: Literal["auto", "cudnn", "cudnn_packed", "flash", "efficient", "math"] = key(
+        "auto", "scaled_dot_product_attention kernel; cudnn/flash need a GPU and bf16/fp16; cudnn_packed: cuDNN "
+                "graphs on the packed QKV, no q/k/v gradient copies (GPU, bf16/fp16, the cudnn extra)")
     activation_checkpointing: Literal["none", "full", "selective"] = key(
         "none", "recompute activations in backward: every block, or selected ones")
     ac_every: int = key(2, "selective: checkpoint every k-th block (0: op-level policy)", NON_NEGATIVE)
@@ -423,10 +434,13 @@ def check_value(spec: KeySpec, value: Any) -> None:
 # ---------------------------------------------------------------- cross-field checks
 @dataclass(frozen=True)
 class Launch:
-    """What validation needs to know about the job: its world size and whether a CUDA GPU is visible."""
+    """What validation needs to know about the job: its world size, whether a CUDA GPU is visible and that
+    GPU's compute capability ``(major, minor)``, e.g. ``(9, 0)`` for Hopper (None: no GPU; the entry points
+    fill it from ``distributed.env.validation_launch``)."""
 
     world_size: int = 1
     cuda: bool = False
+    cuda_capability: tuple[int, int] | None = None
 
 
 def validate(cfg: Config, launch: Launch) -> None:
@@ -513,12 +527,52 @@ def _check_precision(cfg: Config, launch: Launch) -> None:
     if backend in HALF_ONLY_ATTENTION and p.amp_mode == "none":
         raise UserError(f"--attention_backend {backend} runs only in bf16/fp16, but --amp_mode is none; "
                         "add --amp_mode bf16 or use --attention_backend auto")
+    if backend == "cudnn_packed":
+        _check_packed_attention(cfg)
     if p.compile_mode != "default" and not p.enable_jit:
         raise UserError(f"--compile_mode {p.compile_mode} has no effect without --enable_jit; "
                         "add --enable_jit or drop --compile_mode")
     if cfg.data.data_loader_config == "dali" and importlib.util.find_spec("nvidia.dali") is None:
         raise UserError("--data_loader_config dali needs NVIDIA DALI: pip install '.[dali]' "
                         "(nvidia-dali-cuda120; nvidia-dali-cuda130 on CUDA 13), or use --data_loader_config pytorch")
+    _check_fp8(cfg, launch)
+
+
+def _check_fp8(cfg: Config, launch: Launch) -> None:
+    p, par, m = cfg.precision, cfg.parallel, cfg.model
+    if p.amp_mode != "fp8":
+        for name in FP8_KEYS:
+            if getattr(p, name) != KEYS[name].default:
+                raise UserError(f"--{name} has no effect without --amp_mode fp8; add --amp_mode fp8 or drop --{name}")
+        return
+    # the config's own conflicts first, then what this machine lacks
+    if par.tensor_parallel > 1 or par.context_parallel > 1:
+        raise UserError("--amp_mode fp8 is not supported with tensor or context parallelism (their layers run their "
+                        "own GEMMs); use --amp_mode bf16, or --tensor_parallel 1 --context_parallel 1")
+    if par.fsdp_cpu_offload:
+        raise UserError("--amp_mode fp8 is not supported with --fsdp_cpu_offload; drop --fsdp_cpu_offload or use "
+                        "--amp_mode bf16")
+    hidden = int(m.embed_dim * m.mlp_ratio)
+    if m.embed_dim % 16 or hidden % 16:
+        raise UserError(f"--amp_mode fp8: float8 GEMMs need widths that are multiples of 16, but embed_dim is "
+                        f"{m.embed_dim} and the MLP hidden width (embed_dim x mlp_ratio) {hidden}; pick multiples "
+                        "of 16 or use --amp_mode bf16")
+    capability = launch.cuda_capability if launch.cuda else None
+    if capability is None or capability < FP8_MIN_CAPABILITY:
+        found = f"this GPU's is {capability[0]}.{capability[1]}" if capability else "no CUDA GPU is visible"
+        raise UserError(f"--amp_mode fp8 needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer, but {found}; "
+                        "use --amp_mode bf16")
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("--amp_mode fp8 needs torchao: pip install -e '.[fp8]', or use --amp_mode bf16")
+
+
+def _check_packed_attention(cfg: Config) -> None:
+    if importlib.util.find_spec("cudnn") is None:
+        raise UserError("--attention_backend cudnn_packed needs cudnn-frontend: pip install -e '.[cudnn]' "
+                        "(nvidia-cudnn-frontend), or use --attention_backend cudnn")
+    if cfg.parallel.tensor_parallel > 1 or cfg.parallel.context_parallel > 1:
+        raise UserError("--attention_backend cudnn_packed runs whole-sequence, all-head attention; with tensor or "
+                        "context parallelism use --attention_backend cudnn")
 
 
 def _check_parallel(cfg: Config, launch: Launch) -> None:

@@ -17,8 +17,10 @@ from typing import Callable, ContextManager, Iterator
 import torch
 
 from distributed.env import World
+from distributed.float8 import float8_step_hook
 from distributed.parallelize import (AMP_DTYPES, build_grad_scaler, build_parallel_model, clip_grad_norm,
-                                     gradient_sync, reduce_replicated_gradients)
+                                     gradient_sync, reduce_replicated_gradients, uses_fsdp)
+from kernels.cudnn_attention import packed_attention
 from networks.vit import build_model
 from utils.metrics import relative_l2_loss
 from utils.profiling import nvtx_range
@@ -43,7 +45,8 @@ def lr_lambda(optim: OptimConfig):
 
 
 def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> None:
-    """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it).
+    """Restrict ``scaled_dot_product_attention`` to one backend (global, so compiled graphs see it), or,
+    for ``cudnn_packed``, check that its kernel builds.
 
     Only CUDA backends are selectable; on CPU PyTorch keeps its own choice. The startup probe runs
     in the run's compute ``dtype`` (the AMP dtype, else float32). Raises UserError when the backend
@@ -51,13 +54,18 @@ def set_attention_backend(name: str, device: torch.device, head_dim: int, dtype:
     """
     if name == "auto" or device.type != "cuda":
         return
-    flags = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
-             "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
-    for key, enable in flags.items():
-        enable(key == name)
-    q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=dtype)
+    if name == "cudnn_packed":  # a kernel of its own (kernels/cudnn_attention.py), not an SDPA backend
+        probe = partial(packed_attention, torch.zeros(1, 64, 3, 1, head_dim, device=device, dtype=dtype))
+    else:
+        flags = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
+                 "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+                 "math": torch.backends.cuda.enable_math_sdp}
+        for key, enable in flags.items():
+            enable(key == name)
+        q = torch.zeros(1, 1, 64, head_dim, device=device, dtype=dtype)
+        probe = partial(torch.nn.functional.scaled_dot_product_attention, q, q, q)
     try:
-        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        probe()
     except RuntimeError:
         raise UserError(f"--attention_backend {name} cannot run head dim {head_dim} in {str(dtype)[6:]} on "
                         f"{torch.cuda.get_device_name(device)}; use --attention_backend auto") from None
@@ -72,7 +80,9 @@ class TrainingStep:
     """One optimizer step over ``accum`` micro-batches: forward and backward of each (gradients synced
     on the last), then unscale, clip, Adam, GradScaler update and the schedule.
 
-    ``amp_dtype`` is the autocast dtype (None: no autocast); ``max_grad_norm`` 0 means no clipping.
+    ``amp_dtype`` is the autocast dtype (None: no autocast); ``max_grad_norm`` 0 means no clipping;
+    ``after_step``, when set, runs after every optimizer step (the float8 weight scales under FSDP,
+    ``distributed/float8.py``).
     """
 
     model: torch.nn.Module
@@ -84,6 +94,7 @@ class TrainingStep:
     device: torch.device
     accum: int
     max_grad_norm: float
+    after_step: Callable[[], None] | None = None
 
     def autocast(self) -> ContextManager:
         """Autocast to ``amp_dtype`` on this device, or nothing without AMP."""
@@ -118,7 +129,8 @@ class TrainingStep:
         return loss_total, indices
 
     def optimizer_step(self) -> None:
-        """Reduce replicated gradients (TP/CP), unscale and clip, step Adam, the GradScaler and the schedule."""
+        """Reduce replicated gradients (TP/CP), unscale and clip, step Adam, the GradScaler and the schedule,
+        then ``after_step``."""
         reduce_replicated_gradients(self.model)
         if self.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
@@ -127,6 +139,8 @@ class TrainingStep:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.after_step is not None:
+            self.after_step()
 
 
 def count_parameters(cfg: Config) -> int:
@@ -136,9 +150,9 @@ def count_parameters(cfg: Config) -> int:
 
 
 def build_training_step(cfg: Config, world: World) -> TrainingStep:
-    """The parallel model (``distributed/parallelize.py``: DDP, FSDP, TP/CP, AC, compile), Adam (fused on
-    CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
-    only) and the loss (compiled with ``enable_jit``), from ``cfg`` on ``world``.
+    """The parallel model (``distributed/parallelize.py``: float8, DDP, FSDP, TP/CP, AC, compile), Adam (fused
+    on CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
+    only: bf16 and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on ``world``.
 
     Weights are seeded with ``optim.seed``, so every rank starts from the same ones.
     """
@@ -154,4 +168,5 @@ def build_training_step(cfg: Config, world: World) -> TrainingStep:
     loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
     return TrainingStep(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt)),
                         build_grad_scaler(world.device.type, prec.amp_mode == "fp16", world), loss_fn,
-                        AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm)
+                        AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
+                        float8_step_hook(model, prec, uses_fsdp(cfg.parallel, world)))

@@ -370,7 +370,7 @@ class Trainer:
             raise NonFiniteError(f"NaN/Inf in the training data at step {check['step']}: {bad}; "
                                  "fix or exclude that file (re-run the converter, check for missing values)")
         raise NonFiniteError(f"training loss became NaN/Inf at step {check['step']} with finite data; lower --lr, set "
-                             "--max_grad_norm 1.0, add --warmup, or use --amp_mode bf16 instead of fp16")
+                             "--max_grad_norm 1.0, add --warmup, or use --amp_mode bf16 instead of fp16 or fp8")
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict:
