@@ -48,6 +48,7 @@ VARIANTS = {
     # round 2: packed-QKV attention, float8 linears (torchao), and their loaders
     "synthetic_packed": SYNTH + PACKED,
     "packed_w8": PACKED + ["--num_data_workers", "8"],
+    "packed_w12": PACKED + ["--num_data_workers", "12"],
     "packed_dali_w8": PACKED + ["--data_loader_config", "dali", "--num_data_workers", "8"],
     "synthetic_fp8": SYNTH + FAST + FP8,
     "synthetic_fp8_rowwise": SYNTH + FAST + FP8 + ["--fp8_recipe", "rowwise"],
@@ -74,8 +75,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
 
-    from utils.config import load_config
-    cfg = load_config("config/ViT.yaml", args.config)
+    from utils.config import load_config, parse_overrides
+    # the epoch length the runs will see, --extra included (e.g. --limit_nsamples)
+    cfg = load_config("config/ViT.yaml", args.config, parse_overrides(args.extra.split()))
     steps = (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size
     rows = Results(Path(args.out), config=args.config)
     for name in args.variants.split(","):
