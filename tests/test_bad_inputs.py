@@ -129,6 +129,8 @@ CASES = [
          ["--ac_blocks 5 exceeds the model depth 2"]),
     Case("compile mode without compile", ["--compile_mode", "max-autotune"], ["no effect without --enable_jit"]),
     Case("cuDNN attention on CPU", ["--attention_backend", "cudnn", "--amp_mode", "bf16"], ["needs a CUDA GPU"]),
+    Case("packed cuDNN attention on CPU", ["--attention_backend", "cudnn_packed", "--amp_mode", "bf16"],
+         ["--attention_backend cudnn_packed needs a CUDA GPU"], env={"CUDA_VISIBLE_DEVICES": ""}),
     Case("CPU offload without FSDP", ["--fsdp_cpu_offload"], ["--fsdp_cpu_offload needs FSDP"]),
     Case("fp8 without a Hopper GPU", ["--amp_mode", "fp8"],
          ["--amp_mode fp8 needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer", "use --amp_mode bf16"],

@@ -538,6 +538,11 @@ def _check_precision(cfg: Config, launch: Launch) -> None:
     _check_fp8(cfg, launch)
 
 
+def model_parallel(par: ParallelConfig) -> bool:
+    """Whether tensor or context parallelism replaces the dense layers (``distributed/tensor_parallel.py``)."""
+    return par.tensor_parallel > 1 or par.context_parallel > 1
+
+
 def _check_fp8(cfg: Config, launch: Launch) -> None:
     p, par, m = cfg.precision, cfg.parallel, cfg.model
     if p.amp_mode != "fp8":
@@ -546,7 +551,7 @@ def _check_fp8(cfg: Config, launch: Launch) -> None:
                 raise UserError(f"--{name} has no effect without --amp_mode fp8; add --amp_mode fp8 or drop --{name}")
         return
     # the config's own conflicts first, then what this machine lacks
-    if par.tensor_parallel > 1 or par.context_parallel > 1:
+    if model_parallel(par):
         raise UserError("--amp_mode fp8 is not supported with tensor or context parallelism (their layers run their "
                         "own GEMMs); use --amp_mode bf16, or --tensor_parallel 1 --context_parallel 1")
     if par.fsdp_cpu_offload:
@@ -570,7 +575,7 @@ def _check_packed_attention(cfg: Config) -> None:
     if importlib.util.find_spec("cudnn") is None:
         raise UserError("--attention_backend cudnn_packed needs cudnn-frontend: pip install -e '.[cudnn]' "
                         "(nvidia-cudnn-frontend), or use --attention_backend cudnn")
-    if cfg.parallel.tensor_parallel > 1 or cfg.parallel.context_parallel > 1:
+    if model_parallel(cfg.parallel):
         raise UserError("--attention_backend cudnn_packed runs whole-sequence, all-head attention; with tensor or "
                         "context parallelism use --attention_backend cudnn")
 
@@ -587,7 +592,7 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
         if not launch.cuda:
             raise UserError("--fsdp_cpu_offload moves FSDP shards from the GPU to the host, but no GPU is "
                             "visible; drop --fsdp_cpu_offload on CPU")
-        if par.tensor_parallel > 1 or par.context_parallel > 1:
+        if model_parallel(par):
             raise UserError("--fsdp_cpu_offload is not supported with tensor or context parallelism; "
                             "drop it or use --tensor_parallel 1 --context_parallel 1")
         if cfg.precision.amp_mode == "fp16":
