@@ -6,62 +6,41 @@
     sbatch submit_pm.sh --config=short
 
 Order: parse the config, validate it against the launch (world size, GPU and its compute capability),
-join the other ranks, then train. Nothing is written to disk before the config, the launch and the data
-have been checked. Expected errors (bad config, data or environment) print one line, ``error: ...``, on every
-rank and exit with status 2.
+join the other ranks, then train (``utils/train/trainer.py``). Nothing is written to disk before the config,
+the launch and the data have been checked. Expected errors (bad config, data or environment) print one
+line, ``error: ...``, on every rank and exit with status 2.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from pathlib import Path
+from functools import partial
 
-from utils.errors import exit_status
+from utils.core.errors import run_cli
 
 
-def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") -> int:
-    from utils.config import cli_config
+def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") -> None:
+    from utils.config.cli import cli_config
 
     cfg = cli_config(argv, default_config, prog)
     if cfg is None:  # --help, --list-configs or --print-config
-        return 0
-    from distributed.env import detect_launch, distributed_session, validation_launch
-    from utils.schema import validate
-    from utils.trainer import run
+        return
+    from distributed.launch import detect_launch, validation_launch
+    from distributed.world import distributed_session
+    from utils.config.validate import validate
+    from utils.train.trainer import run
+    from utils.tuner.auto import resolve_local_batch
 
     launch = detect_launch()
     validate(cfg, validation_launch(launch))
     with distributed_session(cfg.parallel, launch) as world:
-        run(cfg, world)
-    return 0
+        resolved, extra = resolve_local_batch(cfg, world)
+        run(resolved, world, cfg, extra)
 
 
-def cli(default_config: str = "tiny", entry=main, prog: str | None = None) -> int:
-    """Run ``entry`` (:func:`main`, or another entry point of the same signature) on ``sys.argv``: exit
-    status 0, 2 with one line for expected errors, 130 when interrupted, 1 with a traceback for a bug.
-    A failed rank of a multi-process job exits at once, without tearing down a process group whose
-    peers may be gone."""
-    prog = prog or Path(sys.argv[0]).name
-    try:
-        status = exit_status(entry, sys.argv[1:], default_config, prog)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        status = 130
-    except BrokenPipeError:  # output piped into a reader that closed early (--help | head)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        status = 0
-    except Exception:
-        traceback.print_exc()
-        status = 1
-    if status:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
-    return status
+def cli(default_config: str = "tiny", prog: str = "train.py") -> int:
+    """Run :func:`main` on ``sys.argv`` (exit statuses: ``utils.core.errors.run_cli``)."""
+    return run_cli(partial(main, default_config=default_config, prog=prog))
 
 
 if __name__ == "__main__":

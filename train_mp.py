@@ -13,4 +13,4 @@ import sys
 from train import cli
 
 if __name__ == "__main__":
-    sys.exit(cli(default_config="mp"))
+    sys.exit(cli(default_config="mp", prog="train_mp.py"))

@@ -30,11 +30,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import Results, table  # noqa: E402
-from distributed.checkpoint import CheckpointManager, save_full_model  # noqa: E402
-from distributed.env import all_reduce, detect_launch, distributed_session  # noqa: E402
-from utils.config import cli_config  # noqa: E402
-from utils.errors import ArgumentParser  # noqa: E402
-from utils.trainer import Trainer  # noqa: E402
+from distributed.checkpoint.export import save_full_model
+from distributed.checkpoint.manager import CheckpointManager  # noqa: E402
+from distributed.launch import detect_launch
+from distributed.world import all_reduce, distributed_session  # noqa: E402
+from utils.config.cli import cli_config  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.train.trainer import Trainer  # noqa: E402
 
 COLUMNS = [("what", "what", "s"), ("seconds", "seconds", ".2f"), ("GB", "size_gb", ".2f"),
            ("stall s", "stall_s", ".2f"), ("steps during write", "steps_during_write", "d")]

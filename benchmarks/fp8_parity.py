@@ -37,9 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
-from utils.config import DEFAULT_YAML, load_config, parse_overrides  # noqa: E402
-from utils.errors import ArgumentParser, UserError, exit_status  # noqa: E402
-from utils.schema import FP8_KEYS  # noqa: E402
+from utils.config.loading import DEFAULT_YAML, load_config, parse_overrides  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
+from utils.config.schema import FP8_KEYS  # noqa: E402
 
 # benchmarks/throughput.py's OPT less its --amp_mode (the mode sets that), with cuDNN attention and the
 # native loader: the fast settings, the same for every mode, so that only the precision differs

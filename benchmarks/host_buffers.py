@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Results, table  # noqa: E402
-from utils.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 COLUMNS = [("method", "method", "s"), ("alloc s", "alloc_s", ".2f"), ("step ms", "step_ms", ".1f"),
            ("stall s", "stall_s", ".2f"), ("steps", "steps", "d")]

@@ -20,9 +20,9 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed.env import init_distributed
-    from utils.config import load_config, parse_overrides
-    from utils.trainer import Trainer
+    from distributed.world import init_distributed
+    from utils.config.loading import load_config, parse_overrides
+    from utils.train.trainer import Trainer
 
     overrides = parse_overrides(argv)
     trace = overrides.pop("trace", None)

@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/rollout_validation.json")
     args = ap.parse_args()
 
-    from utils.config import load_config
+    from utils.config.loading import load_config
     cfg = load_config("config/ViT.yaml", args.config)
     steps = (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size
     rows = Results(Path(args.out), config=args.config, extra=args.extra)

@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
 
-    from utils.config import load_config, parse_overrides
+    from utils.config.loading import load_config, parse_overrides
     # the epoch length the runs will see, --extra included (e.g. --limit_nsamples)
     cfg = load_config("config/ViT.yaml", args.config, parse_overrides(args.extra.split()))
     steps = (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size

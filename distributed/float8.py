@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from utils.schema import PrecisionConfig
+from utils.config.schema import PrecisionConfig
 
 TOKEN_ALIGNMENT = 16  # torch._scaled_mm: multiples of 16 in the GEMM dims it constrains
 

@@ -27,10 +27,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from distributed.env import World
+from distributed.world import World
 from distributed.float8 import apply_float8
 from kernels.cudnn_attention import packed_attention
-from utils.schema import ParallelConfig, PrecisionConfig
+from utils.config.schema import ParallelConfig, PrecisionConfig
 
 # autocast dtype, also FSDP's parameter dtype; fp8 runs bf16 wherever its float8 linears do not
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed.env import LaunchEnv, World
+from distributed.launch import LaunchEnv
+from distributed.world import World
 from tests.dist_utils import run_distributed
-from utils.batch_tuner import (OBJECTIVES, NoCleanTrial, Trial, agree, choice_args, choose, combine, plot,
-                               report_table, save_json, scaled_lr, search)
-from utils.config import cli_config, load_config
+from utils.tuner.report import plot, report_table, save_json
+from utils.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_args, choose, combine, scaled_lr, search
+from utils.config.cli import cli_config
+from utils.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3

@@ -91,7 +91,7 @@ def test_fp8_parity_summary_places_each_metric_against_the_reference_range():
 
 def test_fp8_parity_rejects_bad_input_before_any_run(tiny_data, tmp_path):
     from benchmarks.fp8_parity import main
-    from utils.errors import UserError
+    from utils.core.errors import UserError
     common = ["--config", "tiny", "--data_path", str(tiny_data), "--out", str(tmp_path / "p.json")]
     for argv, words in [([*common, "--modes", "bf16", "fp9"], ["--amp_mode", "fp9"]),
                         ([*common, "--", "--seed", "3"], ["--seed", "set by the benchmark"]),

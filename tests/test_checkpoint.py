@@ -26,13 +26,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed.checkpoint import LATEST, CheckedWriter, CheckpointManager, step_folder
-from distributed.env import LaunchEnv, World
+from distributed.checkpoint.files import LATEST, step_folder
+from distributed.checkpoint.manager import CheckpointManager
+from distributed.checkpoint.storage import CheckedWriter
+from distributed.launch import LaunchEnv
+from distributed.world import World
 from networks.vit import VisionTransformer, build_model
 from tests.dist_utils import run_distributed, subprocess_env
-from utils.config import load_config, to_yaml
-from utils.errors import UserError
-from utils.schema import CheckpointConfig
+from utils.config.loading import load_config, to_yaml
+from utils.core.errors import UserError
+from utils.config.schema import CheckpointConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(img_size=(8, 16), patch_size=4, in_chans=2, out_chans=2, embed_dim=16, depth=2, num_heads=2)

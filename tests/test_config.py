@@ -13,10 +13,11 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from utils.config import (cli_config, config_list, full_help, key_help, load_config, markdown_flags,
-                          parse_overrides, to_yaml)
-from utils.errors import UserError
-from utils.schema import KEYS, Config, Launch, batch_sizes, validate
+from utils.config.cli import cli_config, config_list, full_help, key_help, markdown_flags
+from utils.config.loading import load_config, parse_overrides, to_yaml
+from utils.core.errors import UserError
+from utils.config.schema import Config, KEYS
+from utils.config.validate import Launch, batch_sizes, validate
 
 REPO = Path(__file__).resolve().parents[1]
 YAML_PATH = REPO / "config" / "ViT.yaml"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tools import convert_era5, era5_layout as layout
-from tools.era5_layout import LayoutError
+from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")
 cftime = pytest.importorskip("cftime")

@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("nvidia.dali")
 
-from utils.config import load_config  # noqa: E402
-from utils.data_loader import build_data  # noqa: E402
-from utils.dali_loader import DRAIN_LIMIT  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils.config.loading import load_config  # noqa: E402
+from utils.data.loaders import build_data  # noqa: E402
+from utils.data.dali import DRAIN_LIMIT  # noqa: E402
+from utils.core.errors import UserError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -205,7 +205,7 @@ def test_missing_dali_is_a_user_error(tiny_data, monkeypatch):
 def test_unreadable_sample_is_a_one_line_error(tmp_path):
     """DALI re-raises a worker's exception with the worker's traceback as its message, so read
     errors travel as data and come out as a one-line UserError naming file and time."""
-    from tools.make_synthetic_data import make_synthetic_dataset
+    from utils.data.generate import make_synthetic_dataset
     root = make_synthetic_dataset(tmp_path / "data", train_years=1, valid_years=1, steps_per_year=BATCH + 1)
     data = make_data(root, "dali", num_data_workers=1)
     path = root / "valid" / "2001.h5"

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from utils.config import load_config
-from utils.data_loader import (Data, ERA5Dataset, Stats, SyntheticBatches, build_data, equiangular_latitudes,
-                               read_metadata, split_batches)
-from utils.errors import UserError
+from utils.config.loading import load_config
+from utils.data.dataset import ERA5Dataset
+from utils.data.loaders import Data, build_data, split_batches
+from utils.data.metadata import equiangular_latitudes, read_metadata
+from utils.data.stats import Stats
+from utils.data.synthetic import SyntheticBatches
+from utils.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 C = 4  # channels of the `tiny` config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tools import convert_era5, era5_layout as layout, make_synthetic_data as synth
-from tools.era5_layout import LayoutError
+from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")
 

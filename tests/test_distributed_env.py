@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from distributed.env import detect_launch, first_slurm_host, hsdp_split
-from utils.errors import UserError
+from distributed.launch import detect_launch, first_slurm_host
+from distributed.world import hsdp_split
+from utils.core.errors import UserError
 
 
 def test_torchrun_variables():

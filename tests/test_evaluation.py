@@ -32,10 +32,9 @@ from torch import nn
 
 from tests.dist_utils import launch_entry, subprocess_env
 from tests.jobs import reference_run
-from utils.data_loader import Stats
-from utils.evaluation import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout,
-                              score_rollouts)
-from utils.metrics import latitude_weights
+from utils.data.stats import Stats
+from utils.evaluation.scoring import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
+from utils.evaluation.metrics import latitude_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -457,7 +456,7 @@ def test_evaluate_writes_consistent_scorecard_files(runs, evals):
 
 def test_saved_forecasts_are_the_model_applied_to_the_normalized_input(runs, evals):
     from networks.vit import build_model
-    from tools.export_model import read_run_config
+    from utils.config.loading import load_run_config
     run = runs["rollout"]
     out = finished(evals, "lead4")
     with xr.open_dataarray(out / "forecasts.nc") as da:
@@ -482,7 +481,7 @@ def test_saved_forecasts_are_the_model_applied_to_the_normalized_input(runs, eva
 
     stats_dir = Path(re.search(r'data_path: "([^"]+)"', (run / "config.yaml").read_text()).group(1)) / "stats"
     mean, std = np.load(stats_dir / "global_means.npy"), np.load(stats_dir / "global_stds.npy")
-    cfg = read_run_config(run)
+    cfg = load_run_config(run)
     model = build_model(cfg.model, cfg.data)
     model.load_state_dict(torch.load(run / "checkpoints" / "model.pt", map_location="cpu")["model"])
     model.eval()

@@ -20,9 +20,9 @@ from distributed.float8 import apply_float8, float8_step_hook  # noqa: E402
 from networks.vit import VisionTransformer, build_model  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.train_utils import tiny_params, train_checkpoint  # noqa: E402
-from utils.config import load_config  # noqa: E402
-from utils.metrics import relative_l2_loss  # noqa: E402
-from utils.schema import PrecisionConfig  # noqa: E402
+from utils.config.loading import load_config  # noqa: E402
+from utils.evaluation.metrics import relative_l2_loss  # noqa: E402
+from utils.config.schema import PrecisionConfig  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BLOCK_LINEAR_WEIGHT = re.compile(r"blocks\.\d+\.(attn\.(qkv|proj)|mlp\.fc[12])\.weight")
@@ -160,9 +160,9 @@ def _fsdp_float8_against_one_process(rank: int, world_size: int, out: str) -> No
     """run_distributed target: for float8 all-gather on and off, the FSDP model's outputs equal the
     reference's before and after two training steps (with the step hook), the float8 gathers move
     fewer bytes, and (all-gather on) a sharded checkpoint and the full weights are written to ``out``."""
-    from distributed.checkpoint import load_sharded, save_sharded
-    from distributed.env import init_distributed
-    from utils.train_step import build_training_step
+    from distributed.checkpoint.manager import load_sharded, save_sharded
+    from distributed.world import init_distributed
+    from utils.train.step import build_training_step
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, 32, 64, generator=g), torch.randn(4, 4, 32, 64, generator=g)

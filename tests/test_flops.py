@@ -7,8 +7,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from networks.vit import build_model
-from utils.config import load_config
-from utils.flops import vit_flops_per_sample
+from utils.config.loading import load_config
+from utils.monitor.flops import vit_flops_per_sample
 
 
 def test_formula_matches_hand_count_for_tiny():

@@ -14,12 +14,13 @@ import torch
 from ruamel.yaml import YAML
 from torch.cuda import _memory_viz
 
-from distributed.env import LaunchEnv, World
-from distributed.host_staging import HostStager, register_pinned_memory
-from utils.config import load_config
-from utils.data_loader import build_data
-from utils.memory_profile import MemoryProfiler
-from utils.schema import MemoryConfig
+from distributed.launch import LaunchEnv
+from distributed.world import World
+from distributed.checkpoint.staging import HostStager, register_pinned_memory
+from utils.config.loading import load_config
+from utils.data.loaders import build_data
+from utils.monitor.memory_profile import MemoryProfiler
+from utils.config.schema import MemoryConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -85,8 +86,8 @@ def _train_cli(tmp_path, tiny_data, *args, launcher=()):
 def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
     """cuDNN attention has no fp32 kernel: with --amp_mode none it is a one-line error, not a crash mid-step;
     the probe itself runs in the run's dtype (fp32 here), so a backend that has fp32 kernels trains."""
-    from utils.errors import UserError
-    from utils.train_step import set_attention_backend
+    from utils.core.errors import UserError
+    from utils.train.step import set_attention_backend
     bad = _train_cli(tmp_path / "a", tiny_data, "--attention_backend", "cudnn", "--amp_mode", "none")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --attention_backend cudnn runs only in")
     good = _train_cli(tmp_path / "b", tiny_data, "--attention_backend", "efficient", "--amp_mode", "none")
@@ -105,9 +106,9 @@ def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
 def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypatch):
     """Non-TTY progress lines print the loss already read back for the finiteness check; the steps with
     their progress lines run under CUDA sync-debug mode "error", which raises on any host sync (.item())."""
-    from distributed.env import init_distributed
-    from utils.config import load_config
-    from utils.trainer import Trainer
+    from distributed.world import init_distributed
+    from utils.config.loading import load_config
+    from utils.train.trainer import Trainer
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
     cfg = load_config("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "expdir": str(tmp_path),
                                                   "data_loader_config": "synthetic", "log_every": "1"})
@@ -272,8 +273,8 @@ def test_fsdp_memory_tracker_on_a_gpu(tmp_path):
 
 
 def test_a_real_oom_gives_the_one_line_error_and_a_snapshot_that_loads(tmp_path):
-    from utils.errors import OutOfMemory
-    from utils.memory import OutOfMemoryHandler
+    from utils.core.errors import OutOfMemory
+    from utils.monitor.oom import OutOfMemoryHandler
 
     device = torch.device("cuda", torch.cuda.current_device())
     handler = OutOfMemoryHandler(MemoryConfig(memory_snapshot_on_oom=True), tmp_path, 0, device, 8)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dist_utils import run_distributed
 from distributed import host_staging
 from distributed.dense_shards import DenseShards
-from distributed.host_staging import HostStager
+from distributed.checkpoint.staging import HostStager
 
 
 def state() -> dict:

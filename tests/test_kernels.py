@@ -13,8 +13,8 @@ from distributed.parallelize import apply_packed_attention
 from kernels.cudnn_attention import packed_attention
 from networks.vit import VisionTransformer
 from tests.test_config import load_cfg
-from utils.errors import UserError
-from utils.schema import Launch, validate
+from utils.core.errors import UserError
+from utils.config.validate import Launch, validate
 
 needs_cudnn_gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cudnn") is None,
                                      reason="needs a CUDA GPU and nvidia-cudnn-frontend")

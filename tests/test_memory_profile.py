@@ -13,12 +13,14 @@ import torch
 from ruamel.yaml import YAML
 from torch import nn
 
-from distributed.env import LaunchEnv, World, init_distributed
+from distributed.launch import LaunchEnv
+from distributed.world import World, init_distributed
 from tests.dist_utils import run_distributed
 from tests.train_utils import tiny_params
-from utils.memory_profile import ActivationCounter, MemoryProfiler
-from utils.schema import MemoryConfig
-from utils.trainer import Trainer
+from utils.monitor.activations import ActivationCounter
+from utils.monitor.memory_profile import MemoryProfiler
+from utils.config.schema import MemoryConfig
+from utils.train.trainer import Trainer
 
 B, N, D = 3, 8, 16  # batch, tokens ((8 / 4) x (16 / 4) patches), embedding width of the tiny ViT below
 F32 = 4
@@ -183,7 +185,7 @@ def fsdp_window(rank: int, world_size: int, directory: str) -> None:
     """run_distributed target: a tiny ViT sharded with FSDP2 over 2 gloo ranks, one profiled step of 2 micro-batches."""
     from torch.distributed.fsdp import fully_shard
 
-    from distributed.env import build_meshes
+    from distributed.world import build_meshes
     meshes = build_meshes("cpu", world_size, 1, 1, "tp-cp-dp", 0)
     world = World(LaunchEnv(rank=rank, world_size=world_size), torch.device("cpu"), dp=world_size, meshes=meshes)
     model = tiny_vit("full")

@@ -156,7 +156,7 @@ def test_init_weights_is_reproducible_with_a_seed():
 
 
 def test_build_model_reads_config_keys():
-    from utils.schema import DataConfig, ModelConfig
+    from utils.config.schema import DataConfig, ModelConfig
 
     model = build_model(ModelConfig(patch_size=4, embed_dim=24, depth=3, num_heads=2, mlp_ratio=3.0),
                         DataConfig(img_size=(12, 20), n_in_channels=3, n_out_channels=5))
@@ -173,7 +173,7 @@ def test_build_model_reads_config_keys():
 
 
 def test_build_model_from_yaml_config():
-    from utils.config import load_config
+    from utils.config.loading import load_config
 
     cfg = load_config("config/ViT.yaml", "tiny")
     model = build_model(cfg.model, cfg.data)
@@ -211,7 +211,7 @@ def test_patch_embed_equals_strided_convolution():
 def test_nettype_selects_the_network_class(monkeypatch):
     """``nettype`` is read: build_model looks the class up in networks.vit.MODELS."""
     import networks.vit as vit
-    from utils.schema import DataConfig, ModelConfig
+    from utils.config.schema import DataConfig, ModelConfig
 
     class Marked(vit.VisionTransformer):
         pass

@@ -46,8 +46,9 @@ def test_model_parallel_training_matches_single_process(tiny_data, tmp_path, sin
 
 
 def test_world_size_not_divisible_by_tp_cp_is_a_clear_error():
-    from utils.errors import UserError
-    from utils.schema import ParallelConfig, data_parallel_size
+    from utils.core.errors import UserError
+    from utils.config.schema import ParallelConfig
+    from utils.config.validate import data_parallel_size
     with pytest.raises(UserError, match="not divisible by tensor_parallel x context_parallel = 2 x 2"):
         data_parallel_size(6, ParallelConfig(tensor_parallel=2, context_parallel=2))
     assert data_parallel_size(8, ParallelConfig(tensor_parallel=2, context_parallel=2)) == 2

@@ -7,8 +7,8 @@ import logging
 import torch
 
 from tests.dist_utils import run_distributed
-from utils.memory import NO_RETRY, MemoryTracker, format_memory
-from utils.profiling import ProfilerWindow
+from utils.monitor.memory import MemoryTracker, NO_RETRY, format_memory
+from utils.monitor.profiling import ProfilerWindow
 
 
 def test_memory_line_warns_with_remedies_when_allocator_retried():

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from tests.jobs import ROOT, run_job
-from utils.errors import EXIT_OUT_OF_MEMORY
-from utils.memory import OOM_REMEDIES
+from utils.core.errors import EXIT_OUT_OF_MEMORY
+from utils.monitor.oom import OOM_REMEDIES
 
 OOM_AT = [str(ROOT / "tests" / "oom_at_step.py"), "3"]
 

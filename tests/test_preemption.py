@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.jobs import assert_same_state, reference_run, run_job, run_path, run_record, start_job
-from utils.errors import EXIT_PREEMPTED
+from utils.core.errors import EXIT_PREEMPTED
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distributed.env import LaunchEnv  # noqa: E402
-from distributed.rendezvous import FailureChannel, _rank_list, finish, rendezvous  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from distributed.launch import LaunchEnv  # noqa: E402
+from distributed.failure import FailureChannel, finish
+from distributed.rendezvous import rank_list, rendezvous  # noqa: E402
+from utils.core.errors import UserError  # noqa: E402
 
 
 def free_port() -> int:
@@ -133,10 +134,10 @@ def expect_user_error(env: LaunchEnv, timeout_s: float) -> tuple[str, float]:
 
 # ---------------------------------------------------------------- tests
 
-def test_rank_list_is_compact():
-    assert _rank_list([1], 2) == "rank 1 of 2"
-    assert _rank_list([3, 4, 5, 6, 7, 9], 16) == "ranks 3-7, 9 of 16"
-    assert _rank_list(list(range(0, 40, 2)), 64) == "ranks 0, 2, 4, 6, 8, 10, 12, 14, ... (20 in all) of 64"
+def testrank_list_is_compact():
+    assert rank_list([1], 2) == "rank 1 of 2"
+    assert rank_list([3, 4, 5, 6, 7, 9], 16) == "ranks 3-7, 9 of 16"
+    assert rank_list(list(range(0, 40, 2)), 64) == "ranks 0, 2, 4, 6, 8, 10, 12, 14, ... (20 in all) of 64"
 
 
 def test_two_ranks_join_start_gloo_and_finish():

@@ -23,18 +23,20 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from distributed.checkpoint import CheckpointManager, step_folder
+from distributed.checkpoint.files import step_folder
+from distributed.checkpoint.manager import CheckpointManager
 from distributed.dense_shards import dense_blocks
-from distributed.env import LaunchEnv, World
+from distributed.launch import LaunchEnv
+from distributed.world import World
 from distributed.layers import ShardLayout
 from distributed.parallelize import ModelParallelGradScaler, build_grad_scaler
 from distributed.tensor_parallel import apply_tensor_context_parallel, full_state_dict, tp_layouts
 from networks.vit import VisionTransformer, build_model
 from tests.dist_utils import run_distributed
 from tests.test_checkpoint import assert_same
-from tools.export_model import export_model
-from utils.config import load_config, to_yaml
-from utils.schema import CheckpointConfig
+from distributed.checkpoint.export import export_model
+from utils.config.loading import load_config, to_yaml
+from utils.config.schema import CheckpointConfig
 
 # 3 heads of 4 over tp=2: rank 0 owns heads 0-1, rank 1 head 2 (qkv: 3 blocks each); MLP hidden 48
 SMALL3 = dict(img_size=(8, 16), patch_size=4, in_chans=2, out_chans=2, embed_dim=12, depth=2, num_heads=3)

@@ -50,8 +50,8 @@ def test_bf16_and_fused_and_clipping_run(tiny_data, tmp_path):
 
 def test_after_step_hook_runs_once_per_optimizer_step_after_adam(tmp_path):
     """TrainingStep's ``after_step`` (fp8's float8 weight scales under FSDP) sees the updated weights."""
-    from distributed.env import init_distributed
-    from utils.train_step import build_training_step
+    from distributed.world import init_distributed
+    from utils.train.step import build_training_step
     cfg = tiny_params(tmp_path, tmp_path, grad_accum_steps=2)
     step = build_training_step(cfg, init_distributed(cfg.parallel))
     seen = []
@@ -81,7 +81,7 @@ def test_compiled_model_and_loss_train_like_eager(tiny_data, tmp_path, monkeypat
 
 
 def _nan_report_on_ranks(rank: int, world_size: int, data_path: str, expdir: str) -> None:
-    from utils.errors import NonFiniteError
+    from utils.core.errors import NonFiniteError
     try:
         train_on_ranks(rank, world_size, data_path, expdir, {"num_iters": 40, "global_batch_size": 8})
     except NonFiniteError as exc:

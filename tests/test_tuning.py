@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import ROOT, run_job, run_path, run_record
-from utils.config import cli_config
-from utils.errors import EXIT_OUT_OF_MEMORY, UserError
-from utils.schema import Launch, validate
-from utils.tuning import (TUNE_FILE, accumulated_batches, journal_path, setting_args, setting_values,
-                          with_setting, without_tuner_keys)
+from utils.config.cli import cli_config
+from utils.core.errors import EXIT_OUT_OF_MEMORY, UserError
+from utils.config.validate import Launch, validate
+from utils.tuner.tune import (TUNE_FILE, accumulated_batches, journal_path, setting_args, setting_values, with_setting, without_tuner_keys)
 
 TOOL = ["-m", "tools.tune_batch_size"]
 # one warm-up and one timed step per trial: the tests check the search and the records, not the speed;

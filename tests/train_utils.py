@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from distributed.env import init_distributed
-from utils.config import load_config
-from utils.trainer import Trainer
+from distributed.world import init_distributed
+from utils.config.loading import load_config
+from utils.train.trainer import Trainer
 
 
 def tiny_params(data_path, expdir, **overrides):
@@ -44,7 +44,8 @@ def assert_state_close(a: dict, b: dict, atol: float = 1e-5) -> None:
 
 def checkpoint_round_trip(rank: int, world_size: int, data_path: str, expdir: str, overrides: dict) -> None:
     """run_distributed target: a sharded (DCP) and a full save reproduce the trained model's outputs."""
-    from distributed.checkpoint import load_sharded, save_full_model, save_sharded
+    from distributed.checkpoint.export import save_full_model
+    from distributed.checkpoint.manager import load_sharded, save_sharded
     from networks.vit import build_model
 
     cfg = tiny_params(data_path, expdir, **overrides)

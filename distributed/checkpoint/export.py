@@ -1,0 +1,123 @@
+"""The model as one plain file: the single-GPU layout and names, whatever parallelism trained it.
+
+* :func:`save_full_model`: gather the model (DDP/FSDP gathered, tensor/context-parallel slices
+  reassembled) and write ``{"model": state_dict, **extra}`` with ``torch.save``, loadable with
+  ``VisionTransformer.load_state_dict(torch.load(path)["model"])`` without torch.distributed;
+* :func:`load_checkpoint_model`: the plain model of a run's config with the weights of one of its
+  checkpoints (sharded or single-file), on the CPU, without torch.distributed;
+* :func:`export_model`: a run's sharded checkpoint as one such file (``python -m tools.export_model``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from distributed.checkpoint.files import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
+                                          save_file, step_folder, step_folders)
+from networks.vit import build_model
+from utils.config.loading import load_run_config
+from utils.config.schema import Config
+from utils.core.errors import UserError
+
+FINAL_MODEL = "model.pt"  # the trainer's single-file model at the end of a run
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict with the plain model's keys; collective: call on every rank."""
+    from distributed.parallelize import is_tensor_context_parallel, unwrap
+    if is_tensor_context_parallel(model):
+        from distributed.tensor_parallel import full_state_dict
+        return full_state_dict(unwrap(model))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_full_model(model: nn.Module, path: str | Path, extra: dict | None = None) -> None:
+    """Gather the full model and write ``{"model": state_dict, **extra}`` to ``path`` on rank 0.
+
+    Raises:
+        UserError: the write failed (full disk, quota, I/O error); the previous file at ``path``
+            is kept and the partial one removed.
+    """
+    state = full_model_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    save_file({"model": state, **(extra or {})}, Path(path), DISK_FIX)
+
+
+def pick_checkpoint(directory: Path, step: int | None) -> Path:
+    """The complete checkpoint folder of ``step``, or by default the latest one.
+
+    Raises:
+        UserError: there is none (naming the complete ones).
+    """
+    if step is None:
+        candidates = load_candidates(directory)
+        if not candidates:
+            raise UserError(f"no complete checkpoint in {directory}; train with --save_checkpoint true "
+                            "(it saves every --checkpoint_every_steps and at the end)")
+        return candidates[0]
+    folder = step_folder(directory, step)
+    if not is_complete(folder):
+        steps = ", ".join(str(folder_step(f)) for f in step_folders(directory) if is_complete(f)) or "none"
+        raise UserError(f"no complete checkpoint {folder.name} in {directory} (complete steps: {steps}); "
+                        "pass one of them with --step")
+    return folder
+
+
+def load_checkpoint_model(run_dir: Path, cfg: Config, step: int | None = None,
+                          path: Path | None = None) -> tuple[nn.Module, int]:
+    """The plain model of ``cfg`` (on the CPU) with the weights of one of ``run_dir``'s checkpoints, and
+    its optimizer step.
+
+    ``path``: a sharded checkpoint folder or a single file written by this tool or the trainer
+    (``checkpoints/model.pt``); else the sharded checkpoint of ``step`` (default: the latest, or
+    ``checkpoints/model.pt`` when the run kept no sharded one).
+
+    Raises:
+        UserError: no such checkpoint, or one that does not load into the config's model.
+    """
+    model = build_model(cfg.model, cfg.data)
+    if path is None:
+        final = run_dir / "checkpoints" / FINAL_MODEL
+        use_final = step is None and not load_candidates(run_dir / "checkpoints") and final.is_file()
+        path = final if use_final else pick_checkpoint(run_dir / "checkpoints", step)
+    elif path.is_dir() and not is_complete(path):
+        raise UserError(f"{path} is not a complete sharded checkpoint; pass a step_* folder with its .metadata, "
+                        "or a .pt file written by python -m tools.export_model")
+    try:
+        if path.is_dir():  # the key layout CheckpointManager saved: {"model": <plain model state_dict>, ...}
+            state = {"model": model.state_dict()}
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+            n = folder_step(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            n = int(state.get("step", -1))
+        model.load_state_dict(state["model"])
+    except (Exception, CheckpointException) as exc:
+        raise UserError(f"checkpoint {path} does not load into the model of {run_dir / 'config.yaml'} "
+                        f"({describe_exception(exc)}); pick another with --step") from None
+    return model, n
+
+
+def export_model(run_dir: Path, step: int | None = None, out: Path | None = None) -> tuple[Path, int]:
+    """Write the model of ``run_dir``'s checkpoint at ``step`` (default: the latest) to ``out``
+    (default ``<run_dir>/checkpoints/model_step_<N>.pt``); returns ``(out, N)``.
+
+    Raises:
+        UserError: no run directory or config, no such checkpoint, a checkpoint that does not load
+            into the config's model, or the write failed (full disk: the previous file is kept).
+    """
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    model, n = load_checkpoint_model(run_dir, cfg, path=pick_checkpoint(run_dir / "checkpoints", step))
+    out = Path(out) if out is not None else run_dir / "checkpoints" / f"model_step_{n}.pt"
+    save_file({"model": model.state_dict(), "step": n, "config": cfg.flat()}, out,
+              "free space or pass --out on a larger filesystem")
+    return out, n

@@ -1,0 +1,381 @@
+"""Sharded checkpoints of a training run: how they are written and read (:class:`ShardedCheckpoints`; when
+they are written is the :class:`~distributed.checkpoint.manager.CheckpointManager`'s).
+
+Model, optimizer and the trainer's other ``state_dict`` objects are written with
+``torch.distributed.checkpoint`` (DCP), so every rank writes and reads only its own shards and a
+checkpoint loads on any number of ranks (DCP reshards). Tensor-parallel slices are written as blocks
+of the dense tensors (``distributed/dense_shards.py``), so a checkpoint holds the single-GPU layout
+and loads under any tensor/context/data parallelism, FSDP or none, or into the plain model. The folder
+layout: ``distributed/checkpoint/files.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from distributed.checkpoint.files import (DISK_FIX, LATEST, describe_exception, folder_step, load_candidates,
+                                          named_latest, os_error, read_latest, resolve_checkpoint, step_folder,
+                                          step_folders, is_complete, write_failed)
+from distributed.checkpoint.staging import HostStager
+from distributed.checkpoint.storage import WRITE_THREADS, CheckedWriter
+from distributed.dense_shards import DenseLoadPlanner, DenseSavePlanner, dense_view, plain_view
+from distributed.world import World, main_decides
+from utils.config.schema import CheckpointConfig
+from utils.core.errors import UserError
+from utils.core.files import write_atomic
+
+log = logging.getLogger(__name__)
+# DCP warns on every save and load of one process that it runs without torch.distributed: intended here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}``: this rank's shards under the plain model's parameter names
+    (the same for plain, DDP, FSDP2, compiled and tensor/context-parallel models); tensor-parallel
+    slices are still plain tensors here (:func:`dense_view` makes them DCP shards)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _set_model_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
+    """Write model and optimizer shards as one DCP checkpoint in ``directory`` itself, without the
+    steps and ``latest`` of :class:`CheckpointManager` (collective).
+    """
+    dcp.save(dense_view(model, _model_state(model, optimizer)), checkpoint_id=str(directory),
+             planner=DenseSavePlanner())
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
+    """Load a checkpoint written by :func:`save_sharded`, resharded to this model's parallelism
+    (collective).
+    """
+    view = dense_view(model, _model_state(model, optimizer))
+    dcp.load(view, checkpoint_id=str(directory), planner=DenseLoadPlanner())
+    _set_model_state(model, optimizer, plain_view(view))
+
+
+class ShardedCheckpoints:
+    """Sharded checkpoints of a training run in ``directory`` (layout: ``distributed/checkpoint/files.py``).
+
+    ``save``, ``wait``, ``load`` and ``close`` are collective: every rank calls them at the same
+    point of the run. Every rank learns the same outcome (success, or the same error), so none
+    waits forever in a collective that another rank left.
+
+    Args:
+        cfg: ``keep_checkpoints`` (complete checkpoints kept) and ``async_checkpoint``.
+        directory: the run's checkpoint folder, on a filesystem every rank sees.
+        model: the model being trained: plain, DDP, FSDP2 ``fully_shard`` (HSDP too), compiled,
+            and/or tensor/context parallel.
+        optimizer: its optimizer.
+        stateful: other objects by name (``model`` and ``optim`` excepted) with ``state_dict`` /
+            ``load_state_dict`` (LR scheduler, GradScaler, train state), whose values may be any
+            picklable objects and must be equal on every rank. One that also has
+            ``per_rank_state_dict`` / ``load_per_rank_state_dict`` keeps a per-rank part (random
+            streams) in ``rank<r>.pt``.
+        world: this process's rank and world size.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 stateful: dict[str, Any], world: World):
+        if {"model", "optim"} & set(stateful):
+            raise ValueError("stateful names 'model' and 'optim' are taken by the model and optimizer")
+        self.cfg, self.directory, self.world = cfg, Path(directory), world
+        self.model, self.optimizer, self.stateful = model, optimizer, dict(stateful)
+        self.per_rank = {name: obj for name, obj in self.stateful.items() if hasattr(obj, "per_rank_state_dict")}
+        self._pending: tuple[Future, Path] | None = None  # an async save staged but not committed
+        self._group: dist.ProcessGroup | None = None  # the gloo group of async saves, made at the first one
+        self._stager = HostStager(world.device)  # the host copy of the saved state, reused
+        self._prepared = False  # prepare() has started the stager's allocation
+        self._current: Path | None = None  # the checkpoint holding the objects' state as saved or loaded
+
+    # ---- public
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint folder (the one ``latest`` names), or None."""
+        return read_latest(self.directory)
+
+    def save(self, step: int) -> None:
+        """Checkpoint the state after optimizer step ``step`` into ``step_<step>`` (collective).
+
+        Synchronous: returns once the checkpoint is complete and named by ``latest``. With
+        ``async_checkpoint``: returns once the state is copied to host memory (the parameters may
+        change again); a background thread writes it and :meth:`wait` (called by the next ``save``,
+        by ``close``, or by the trainer) commits it. A checkpoint of this very state (just saved or
+        loaded at ``step``) is not written again.
+
+        Raises:
+            UserError: the write failed (full disk, quota, I/O error): the partial folder is removed
+                and ``latest`` still names the previous one.
+        """
+        self.wait()
+        folder = step_folder(self.directory, step)
+        if folder == self._current:
+            return
+        self._raise_any(self._make_folder(folder) if self.world.is_main else None)
+        if self.per_rank:
+            self._raise_any(self._write_per_rank(folder), folder)
+        state = dense_view(self.model, self._state())
+        try:
+            if self.cfg.async_checkpoint:  # async_save returns once the state is copied to host memory
+                self._pending = dcp.async_save(state, storage_writer=self._writer(folder), planner=DenseSavePlanner(),
+                                               process_group=self._async_group(), async_stager=self._stager), folder
+                return
+            # on GPUs, one copy to host memory at full bandwidth; the writer threads then only do I/O
+            staged = self._stager.stage(state) if self._stager.pin else state
+            dcp.save(staged, storage_writer=self._writer(folder), planner=DenseSavePlanner())
+        except (Exception, CheckpointException) as exc:
+            self._save_failed(folder, exc)
+        self._commit(folder)
+
+    def prepare(self) -> None:
+        """Start allocating the host buffers that saves copy the state into, in the background, so the
+        first save does not stall for it (:class:`~distributed.checkpoint.staging.HostStager`). Call once the
+        state is complete (after the first optimizer step: Adam's moments exist). Later calls return at
+        once, as do calls when nothing is saved or saves need no host copy (sync saves on CPU). Local to
+        this rank."""
+        if self._prepared or not self.cfg.save_checkpoint or not (self.cfg.async_checkpoint or self._stager.pin):
+            return
+        self._prepared = True
+        self._stager.prepare(dense_view(self.model, self._state()))
+
+    def wait(self) -> None:
+        """Finish the pending async save and commit it; nothing to do without one (collective: every
+        rank has one pending or none).
+
+        Raises:
+            UserError: the background write failed (full disk, quota, I/O error); ``latest`` still
+                names the previous checkpoint.
+        """
+        if self._pending is None:
+            return
+        future, folder = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as exc:
+            self._save_failed(folder, exc)
+        self._commit(folder)
+
+    def load(self, path: Path | None = None) -> int | None:
+        """Restore every object from a checkpoint (collective); returns its step, None if there is none.
+
+        Without ``path``: the newest loadable of :func:`load_candidates` (``directory``'s ``latest``,
+        then older complete ones); one that does not load (truncated or corrupt file, missing shard,
+        another model) is skipped with a warning. ``path``: that step folder, or the one a
+        checkpoint directory's ``latest`` names. Every rank loads the same checkpoint. A rank
+        without a ``rank<r>.pt`` (more ranks than saved) keeps its per-rank state, with a warning.
+
+        Raises:
+            UserError: ``path`` is not a complete checkpoint or does not load; no candidate loads.
+        """
+        self.wait()
+        found = main_decides(lambda: [resolve_checkpoint(path)] if path is not None else self._candidates(), self.world)
+        if not found:
+            return None
+        errors = []
+        for folder in found:
+            loaded, error = self._read(folder)
+            error = self._first_error(error)
+            if error is None:
+                self._apply(folder, *loaded)
+                return folder_step(folder)
+            errors.append(error)
+            log.warning("checkpoint %s does not load (%s)%s", folder, error,
+                        "; trying the previous one" if folder != found[-1] else "")
+        if path is not None:
+            raise UserError(f"checkpoint {found[0]} does not load ({errors[0]}); pass another checkpoint or "
+                            "--resume never")
+        raise UserError(f"no checkpoint in {self.directory} loads (newest {found[0].name}: {errors[0]}); pass "
+                        "another checkpoint with --resume, or --resume never to start afresh")
+
+    def close(self, commit: bool = True) -> None:
+        """Commit a pending async save (unless not ``commit``: a failed run's pending save is left uncommitted
+        and its resources to the process's exit); release the async group and the host buffers (collective)."""
+        if self._pending is not None and not commit:
+            return
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+            self._stager.close()
+
+    @staticmethod
+    def _writer(folder: Path) -> dcp.FileSystemWriter:
+        """DCP's file writer with WRITE_THREADS threads: one thread writes far below a parallel
+        filesystem's (or even a local disk's) bandwidth."""
+        return CheckedWriter(folder, thread_count=WRITE_THREADS)
+
+    # ---- loading
+    def _candidates(self) -> list[Path]:
+        """Rank 0: :func:`load_candidates`, empty for a fresh run.
+
+        Raises:
+            UserError: ``latest`` names a folder but neither it nor an older one is complete (deleted
+                by hand?): starting afresh silently would discard the run.
+        """
+        found = load_candidates(self.directory)
+        named = named_latest(self.directory)
+        if not found and named is not None:
+            raise UserError(f"{self.directory / LATEST} names {named.name}, but neither it nor an older checkpoint "
+                            f"is complete; delete {self.directory / LATEST} to start afresh, or pass --resume never")
+        return found
+
+    # ---- saving
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds: ``model``, ``optim`` and each stateful's ``state_dict``."""
+        return {**_model_state(self.model, self.optimizer),
+                **{name: obj.state_dict() for name, obj in self.stateful.items()}}
+
+    def _make_folder(self, folder: Path) -> str | None:
+        """Rank 0: an empty ``folder`` (a leftover of a save that never committed is deleted first, so
+        none of its files mixes into the new one). Returns an error message or None."""
+        try:
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        except OSError as exc:
+            return f"{write_failed(folder, exc)}; the previous checkpoint is kept: free space or fix the permissions"
+        return None
+
+    def _write_per_rank(self, folder: Path) -> str | None:
+        """Write this rank's ``rank<r>.pt`` (before DCP's save, whose ``.metadata`` then vouches for
+        it). Returns an error message or None."""
+        path = folder / f"rank{self.world.rank}.pt"
+        state = {name: obj.per_rank_state_dict() for name, obj in self.per_rank.items()}
+        try:
+            write_atomic(path, lambda f: torch.save(state, f))
+        except (OSError, RuntimeError) as exc:
+            cause = os_error(exc)
+            if cause is None:
+                raise
+            return f"{write_failed(folder, cause)}; the previous checkpoint is kept: {DISK_FIX}"
+        return None
+
+    def _save_failed(self, folder: Path, exc: BaseException) -> None:
+        """Turn a failed write (an OSError on some rank) into a UserError on every rank after rank 0
+        removed the partial folder; re-raise anything else."""
+        cause = os_error(exc)
+        if cause is None:
+            raise exc
+        if self.world.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise UserError(f"{write_failed(folder, cause)}; the previous checkpoint is kept: {DISK_FIX}") from None
+
+    def _commit(self, folder: Path) -> None:
+        """Make ``folder`` the one ``latest`` names and delete what it supersedes (rank 0), then agree
+        on the outcome (collective).
+
+        No barrier is needed first: DCP's save returns on a rank only after rank 0 wrote
+        ``.metadata``, which it does once every rank reported its shards written (and each
+        ``rank<r>.pt`` was written before that rank entered DCP's save).
+        """
+        error = None
+        if self.world.is_main:
+            try:
+                write_atomic(self.directory / LATEST, lambda f: f.write(f"{folder.name}\n".encode()))
+            except OSError as exc:
+                error = f"{write_failed(self.directory / LATEST, exc)}; the previous checkpoint is kept: {DISK_FIX}"
+            else:
+                self._delete_superseded(folder)
+        self._raise_any(error)
+        self._current = folder
+
+    def _delete_superseded(self, newest: Path) -> None:
+        """Rank 0: keep the newest ``keep_checkpoints`` complete checkpoints up to ``newest``; delete
+        older ones and every other step folder (leftovers of crashed saves, and folders newer than
+        ``newest`` left by a run that resumed from an older checkpoint), none of which a load uses."""
+        folders = step_folders(self.directory)
+        complete = [f for f in folders if folder_step(f) <= folder_step(newest) and is_complete(f)]
+        keep = set(complete[-self.cfg.keep_checkpoints:])
+        for folder in folders:
+            if folder not in keep:
+                try:
+                    shutil.rmtree(folder)
+                except OSError as exc:
+                    log.warning("could not delete the old checkpoint %s: %s", folder, exc)
+
+    def _async_group(self) -> dist.ProcessGroup | None:
+        """The gloo group that async saves coordinate over, made at the first one (collective then).
+
+        DCP's background thread runs collectives while the training loop runs its own: sharing a
+        group, the two would interleave in a different order on different ranks. DCP also needs a
+        CPU backend, which NCCL is not. None without torch.distributed (DCP's no-dist mode).
+        """
+        if not dist.is_initialized():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _read(self, folder: Path) -> tuple[tuple[dict, dict | None] | None, str | None]:
+        """Read ``folder`` into fresh state dicts, DCP loading model and optimizer shards in place
+        (tensor-parallel slices from their blocks of the dense tensors).
+
+        Returns ``((state, per_rank), None)``, ``per_rank`` None when this rank has no file, or
+        ``(None, error message)``. Only the model's and optimizer's tensors change (in place), and
+        whichever checkpoint finally loads overwrites all of them.
+        """
+        view = dense_view(self.model, self._state())
+        try:
+            dcp.load(view, checkpoint_id=folder, planner=DenseLoadPlanner())
+            return (plain_view(view), self._read_per_rank(folder)), None
+        except (Exception, CheckpointException) as exc:
+            return None, describe_exception(exc)
+
+    def _read_per_rank(self, folder: Path) -> dict[str, Any] | None:
+        if not self.per_rank:
+            return {}
+        path = folder / f"rank{self.world.rank}.pt"
+        if not path.is_file():
+            return None
+        saved = torch.load(path, map_location="cpu", weights_only=False)  # our own file: numpy/Python RNG states
+        return {name: saved[name] for name in self.per_rank}
+
+    def _apply(self, folder: Path, state: dict[str, Any], per_rank: dict[str, Any] | None) -> None:
+        """Load what :meth:`_read` read into the model, optimizer and stateful objects."""
+        _set_model_state(self.model, self.optimizer, state)
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(state[name])
+        if per_rank is None:
+            log.warning("checkpoint %s has no rank%d.pt (saved on fewer ranks): this rank's %s state starts afresh",
+                        folder, self.world.rank, ", ".join(self.per_rank))
+        else:
+            for name, obj in self.per_rank.items():
+                obj.load_per_rank_state_dict(per_rank[name])
+        self._current = folder
+
+    # ---- agreement
+    def _first_error(self, error: str | None) -> str | None:
+        """The first rank's error message of all ranks' ``error`` (collective; a no-op for one process)."""
+        if self.world.world_size == 1 or not dist.is_initialized():
+            return error
+        errors: list[str | None] = [None] * self.world.world_size
+        dist.all_gather_object(errors, error)
+        return next((e for e in errors if e is not None), None)
+
+    def _raise_any(self, error: str | None, partial: Path | None = None) -> None:
+        """Raise UserError on every rank if any rank has an ``error`` (collective); rank 0 then removes
+        the ``partial`` folder."""
+        error = self._first_error(error)
+        if error is None:
+            return
+        if partial is not None and self.world.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(error)

@@ -1,0 +1,223 @@
+"""The job once it is joined: the :class:`World` (ranks, device, device mesh), the collectives the
+components use, and :func:`distributed_session`, which makes every rank stop with one line as soon as
+any rank fails.
+
+The mesh has named dimensions ``dp_replicate, dp_shard, cp, tp`` laid out by
+``--parallel_order`` (innermost first, default ``tp-cp-dp``: tensor-parallel peers are
+adjacent ranks, i.e. on one node); ``dp`` is the flattened data-parallel dimension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from distributed.failure import FailureChannel, finish
+from distributed.launch import LaunchEnv, detect_launch, select_device
+from distributed.rendezvous import rendezvous
+from utils.config.schema import ParallelConfig
+from utils.config.validate import data_parallel_size
+from utils.core.errors import NothingToDo, Preempted, UserError, failure_status
+
+
+@dataclass
+class World:
+    """This process's place in the job and its device mesh.
+
+    ``dp``, ``cp``, ``tp`` are the data-, context- and tensor-parallel sizes
+    (``dp * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard.
+    ``meshes`` maps ``dp``, ``cp``, ``tp`` and ``hsdp`` (the 2D ``dp_replicate x dp_shard``
+    mesh) to their device meshes; empty for one process.
+    """
+
+    env: LaunchEnv
+    device: torch.device
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    dp_rank: int = 0
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    store: dist.Store | None = field(default=None, repr=False)
+    channel: FailureChannel | None = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def note_step(self, step: int) -> None:
+        """Tell the failure watchdog the iteration this rank is at (its heartbeats and the line naming
+        a stuck rank carry it); a no-op for one process."""
+        if self.channel is not None:
+            self.channel.note_step(step)
+
+    def group(self, name: str):
+        """Process group of mesh dimension ``name`` (``dp``, ``cp``, ``tp``), or None if size 1."""
+        size = {"dp": self.dp, "cp": self.cp, "tp": self.tp}[name]
+        if not self.meshes or size == 1:
+            return None
+        return self.meshes[name].get_group()
+
+
+def hsdp_split(dp: int, shard: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of the data-parallel dimension for HSDP. Raises UserError if not divisible."""
+    if shard < 1 or dp % shard:
+        raise UserError(f"hsdp shard size {shard} must divide the data-parallel size {dp}; "
+                        "set --hsdp_shard_size (0 means GPUs per node)")
+    return dp // shard, shard
+
+
+def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str,
+                 hsdp_shard: int) -> dict[str, DeviceMesh]:
+    """One device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order``; returns its
+    ``dp`` (flattened replicate x shard), ``cp``, ``tp`` and ``hsdp`` (2D) sub-meshes."""
+    dp = world_size // (tp * cp)
+    rep, shard = hsdp_split(dp, hsdp_shard) if hsdp_shard else (1, dp)
+    sizes = {"tp": tp, "cp": cp, "dp_replicate": rep, "dp_shard": shard}
+    dims: list[str] = []
+    for name in reversed(order.split("-")):  # outermost first
+        dims += ["dp_replicate", "dp_shard"] if name == "dp" else [name]
+    mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
+    hsdp = mesh[("dp_replicate", "dp_shard")]
+    return {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
+
+
+def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> World:
+    """Join the job (bounded rendezvous), start torch.distributed (NCCL on GPUs, gloo on CPU) and
+    build the mesh from ``parallel`` (``tensor_parallel``, ``context_parallel``, ``fsdp``, ...).
+
+    One process per GPU: the device is ``cuda:<local_rank>``. A process group started by the
+    caller (tests) is reused.
+
+    Raises:
+        UserError: the world size does not divide into tensor x context parallel, the launcher's
+            variables are inconsistent, or a rank did not join within ``rendezvous_timeout_s`` s.
+    """
+    env = env or detect_launch()
+    device = select_device(env)
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    dp = data_parallel_size(env.world_size, parallel)
+    if env.world_size == 1:
+        return World(env, device)
+    store = None
+    if not dist.is_initialized():
+        store = rendezvous(env, parallel.rendezvous_timeout_s)
+        timeout = timedelta(seconds=parallel.collective_timeout_s)
+        store.set_timeout(timeout)  # the store's own waits (NCCL's id exchange) follow the collectives'
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=env.rank,
+                                world_size=env.world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    shard = 0
+    if parallel.fsdp == "hsdp":
+        shard = parallel.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
+                                                else torch.cuda.device_count() or dp)
+    meshes = build_meshes(device.type, env.world_size, tp, cp, parallel.parallel_order, shard)
+    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes, store)
+
+
+def broadcast_from_main(obj, world: World):
+    """``obj`` as rank 0 has it, on every rank (a picklable object; no-op for one process)."""
+    if world.world_size == 1 or not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main_decides(decide: Callable[[], Any], world: World, errors: tuple[type[BaseException], ...] = (UserError,)) -> Any:
+    """``decide()`` run on rank 0, its answer on every rank (collective). An exception of ``errors`` that it
+    raises is raised on every rank instead, so no rank waits for the others; anything else propagates on
+    rank 0 only (a bug: the failure channel stops the others)."""
+    outcome = None
+    if world.is_main:
+        try:
+            outcome = decide()
+        except errors as exc:
+            outcome = exc
+    outcome = broadcast_from_main(outcome, world)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP2, tensor parallel), else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_reduce(tensor: torch.Tensor, world: World, dim: str | None = None,
+               op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce in place over mesh dimension ``dim`` (``dp``, ...) or over all ranks when None."""
+    size = world.world_size if dim is None else getattr(world, dim)
+    if dist.is_initialized() and size > 1:
+        # a size-1 dimension has no group: passing None would reduce over the whole world
+        dist.all_reduce(tensor, op=op, group=None if dim is None else world.group(dim))
+    return tensor
+
+
+@contextlib.contextmanager
+def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
+    """Yield the :class:`World`; make every rank stop, with one line, as soon as any rank fails or
+    stops answering.
+
+    A :class:`distributed.rendezvous.FailureChannel` watches the job's store: an exception on one
+    rank is published before it propagates, and the other ranks print it and exit (status 2)
+    instead of waiting in their next collective. A rank without a heartbeat for
+    :data:`SILENCE_SHARE` of ``collective_timeout_s`` (stopped, frozen, node lost) stops the job
+    with one line naming it, before the collective's own timeout would. A normal end (also
+    :class:`NothingToDo` and :class:`Preempted`, which every rank reaches together) passes a store
+    barrier first, so rank 0 (which hosts the store) outlives every rank still polling it.
+    """
+    world = init_distributed(parallel, env)
+    if world.store is not None:
+        world.channel = FailureChannel(world.store, world.rank, world.world_size,
+                                       silence_s=SILENCE_SHARE * parallel.collective_timeout_s)
+        world.channel.start()
+    try:
+        yield world
+    except (NothingToDo, Preempted):  # every rank reached the same verdict: leave together
+        _finish(world, parallel)
+        raise
+    except BaseException as exc:
+        if world.channel is not None:
+            world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
+                                 failure_status(exc))
+        raise
+    _finish(world, parallel)
+
+
+# a rank silent this share of the collective timeout is declared lost before gloo/NCCL time out
+SILENCE_SHARE = 0.75
+
+
+def _finish(world: World, parallel: ParallelConfig) -> None:
+    if world.channel is not None:
+        finish(world.store, world.channel, world.rank, world.world_size, parallel.collective_timeout_s)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Destroy the process group (after a successful run). Under gloo, also give its worker threads a moment to release
+    their last finished collective: they outlive ``destroy_process_group`` and need the GIL to free
+    it, and one caught by interpreter shutdown aborts the rank (``terminate called without an active
+    exception``, SIGABRT after a successful run; pytorch/pytorch#190489)."""
+    if dist.is_available() and dist.is_initialized():
+        gloo = dist.get_backend() == "gloo"
+        dist.destroy_process_group()
+        if gloo:
+            time.sleep(0.05)

@@ -1,0 +1,118 @@
+"""The architecture, checked: imports go one way, from the entry points down, with no cycles (``ast``, no import
+runs), no source file over 500 lines, nothing private crosses a module boundary."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# bottom to top; a module may import its own layer's packages (without a cycle) and the layers below
+LAYERS = [("utils.core",), ("utils.config",), ("utils.data", "networks", "kernels"), ("distributed",),
+          ("utils.monitor", "utils.evaluation"), ("utils.train",), ("utils.tuner",),
+          ("train", "train_mp", "evaluate", "tools", "benchmarks")]
+LIBRARY = ("utils", "distributed", "networks", "kernels")
+MAX_LINES = 500
+
+
+def package(module: str) -> str:
+    """The layer entry ``module`` belongs to (``utils.data.dali`` -> ``utils.data``)."""
+    return max((p for layer in LAYERS for p in layer if module == p or module.startswith(p + ".")), key=len)
+
+
+def layer(module: str) -> int:
+    return next(i for i, entries in enumerate(LAYERS) if package(module) in entries)
+
+
+def sources() -> dict[str, Path]:
+    """Module name -> file of every project source (tests excluded)."""
+    files = [p for top in (*LIBRARY, "tools", "benchmarks") for p in (ROOT / top).rglob("*.py")]
+    files += [ROOT / f"{name}.py" for name in ("train", "train_mp", "evaluate")]
+    named = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+    return {name: path for name, path in named.items() if name != "utils"}  # utils/__init__.py: the map only
+
+
+def imports(path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
+    """``(module, names, line)`` of each project module ``path`` imports (at any depth in the file)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            full = [f"{node.module}.{a.name}" for a in node.names]
+            for name, alias in zip(full, node.names):  # `from pkg import module`
+                if name in modules:
+                    out.append((name, [], node.lineno))
+            if node.module in modules:
+                out.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name in modules]
+    return out
+
+
+GRAPH = {name: imports(path, set(sources())) for name, path in sources().items()}
+
+
+def test_imports_never_go_up_a_layer():
+    upward = [f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)}) on line {line}"
+              for m, edges in GRAPH.items() for t, _, line in edges if layer(t) > layer(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_library_never_imports_tools_or_entry_points():
+    bad = [f"{m} imports {t}" for m, edges in GRAPH.items() if m.split(".")[0] in LIBRARY
+           for t, _, _ in edges if t.split(".")[0] not in LIBRARY]
+    assert not bad, "\n".join(bad)
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One cycle of the directed graph ``edges``, or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return []
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_no_cycle_between_modules():
+    cycle = _cycle({m: {t for t, _, _ in edges} for m, edges in GRAPH.items()})
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_cycle_between_packages():
+    packages: dict[str, set[str]] = {}
+    for m, edges in GRAPH.items():
+        packages.setdefault(package(m), set()).update(package(t) for t, _, _ in edges if package(t) != package(m))
+    cycle = _cycle(packages)
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    bad = [f"{m} line {line}: {t}.{n}" for m, edges in GRAPH.items() for t, names, line in edges
+           for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_source_file_is_over_500_lines():
+    long = {name: n for name, path in sources().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_the_checker_sees_a_violation():
+    """The layer rule would catch an upward import (guards the check itself against matching nothing)."""
+    assert layer("utils.core.errors") < layer("utils.train.trainer") < layer("train")
+    assert package("distributed.checkpoint.manager") == "distributed"
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert any(t == "utils.train.trainer" for t, _, _ in GRAPH["utils.tuner.auto"])

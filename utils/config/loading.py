@@ -1,0 +1,176 @@
+"""Named YAML configs and command-line overrides -> a typed :class:`utils.config.schema.Config`.
+
+``config/ViT.yaml`` maps config names to flat ``key: value`` settings (anchors and ``<<:`` merge keys
+allowed). The command line overrides any key as ``--key value``, ``--key=value``, a bare ``--flag``
+(true) or a list ``--img_size [360,720]``. Every value is converted to the type the schema declares,
+whatever its YAML spelling, and checked; a bad one is a :class:`UserError` naming the key, the place
+it came from and the fix. ``--help [KEY]``, ``--list-configs`` and ``--print-config`` are answered by
+:func:`cli_config` with the text of ``utils/config/help.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from utils.config.schema import KEYS, SECTIONS, Config
+from utils.config.types import check_value, coerce, plain, type_name
+from utils.core.errors import UserError
+
+DEFAULT_YAML = "config/ViT.yaml"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def closest(name: str, valid) -> str:
+    """``"; did you mean a, b?"`` for the nearest of ``valid`` to ``name``, or ``""``."""
+    near = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(near)}?" if near else ""
+
+
+def read_yaml(path: str | Path) -> dict[str, dict]:
+    """Parse a YAML file of named configs (merge keys resolved).
+
+    Raises:
+        UserError: missing file, invalid YAML, a key repeated inside one mapping (which YAML merge
+            keys would otherwise resolve silently), or a document that is not ``name: {settings}``.
+    """
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
+    path = Path(path)
+    if not path.is_file() and not path.is_absolute() and (REPO / path).is_file():
+        path = REPO / path  # the shipped configs, wherever the run is started from
+    if not path.is_file():
+        raise UserError(f"config file {path} not found; pass --yaml_config config/ViT.yaml")
+    text = path.read_text()
+    yaml = YAML(typ="safe", pure=True)
+    try:
+        _reject_duplicate_keys(yaml.compose(text), path)
+        data = yaml.load(text)
+    except YAMLError as exc:
+        problem = " ".join(str(getattr(exc, "problem", "") or exc).split())
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"config file {path} is not valid YAML ({problem}{where}); fix the file") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise UserError(f"config file {path} must map config names to settings (name: {{key: value, ...}})")
+    return data
+
+
+def _reject_duplicate_keys(node, path: Path) -> None:
+    from ruamel.yaml.nodes import MappingNode, SequenceNode
+    if isinstance(node, MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            name = getattr(k, "value", None)
+            if isinstance(name, str) and name != "<<":
+                if name in seen:
+                    raise UserError(f"config file {path} line {k.start_mark.line + 1}: key '{name}' repeats the "
+                                    f"one on line {seen[name]} in the same mapping; keep one of them")
+                seen[name] = k.start_mark.line + 1
+            _reject_duplicate_keys(v, path)
+    elif isinstance(node, SequenceNode):
+        for item in node.value:
+            _reject_duplicate_keys(item, path)
+
+
+def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | None = None) -> Config:
+    """Config ``name`` of ``yaml_path`` with ``overrides`` (``{key: str or typed value}``) applied.
+
+    Raises:
+        UserError: unknown config name or key (naming the closest), a value of the wrong type or
+            outside its choices or range.
+    """
+    configs = read_yaml(yaml_path)
+    if name not in configs:
+        raise UserError(f"config {name!r} not in {yaml_path}{closest(name, configs)} "
+                        f"(available: {', '.join(configs)})")
+    cfg = Config(name=name, yaml_config=str(yaml_path))
+    for key, raw in configs[name].items():
+        _set(cfg, key, raw, f"{yaml_path}, config {name}: ")
+    for key, raw in (overrides or {}).items():
+        _set(cfg, key, raw, "")
+    for spec in KEYS.values():
+        try:
+            check_value(spec, getattr(getattr(cfg, spec.section), spec.name))
+        except ValueError as exc:
+            value = getattr(getattr(cfg, spec.section), spec.name)
+            raise UserError(f"--{spec.name} {exc}, got {show_value(value)}") from None
+    return cfg
+
+
+def _set(cfg: Config, key: str, raw: Any, where: str) -> None:
+    if key not in KEYS:
+        raise UserError(f"{where}unknown config key {'--' if not where else ''}{key}{closest(key, KEYS)} "
+                        "(python train.py --help lists the keys)")
+    try:
+        cfg.set(key, coerce(raw, KEYS[key].type))
+    except ValueError as exc:
+        raise UserError(f"{where}{'--' if not where else ''}{key} {exc} ({type_name(KEYS[key].type)}), "
+                        f"got {show_value(raw)}") from None
+
+
+def show_value(value: Any) -> str:
+    """A value as the messages show it: strings quoted, lists and numbers as JSON."""
+    return json.dumps(plain(value)) if not isinstance(value, str) else repr(value)
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """``["--lr", "1e-3", "--enable_fused", "--x=y"]`` -> ``{"lr": "1e-3", "enable_fused": "true", "x": "y"}``.
+
+    A key given twice takes its last value, so a launcher's defaults (``submit_pm.sh`` passes
+    ``--data_path`` and ``--expdir`` first) can be overridden by the arguments after them.
+
+    Raises:
+        UserError: an argument that is not an option.
+    """
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(f"unexpected argument {arg!r}; options look like --<key> <value> (see --help)")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = "true"
+        out[name] = value
+        i += 1
+    return out
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as a YAML file of one named config, loadable with ``--yaml_config``."""
+    values = cfg.flat()
+    lines = [f"# resolved config {cfg.name!r} (from {cfg.yaml_config})", f"{cfg.name}:"]
+    for attr, (_, title) in SECTIONS.items():
+        lines.append(f"  # ---- {title}")
+        lines += [f"  {s.name}: {json.dumps(values[s.name])}" for s in KEYS.values() if s.section == attr]
+    return "\n".join(lines) + "\n"
+
+
+RUN_DIR_HINT = "pass a run directory written by train.py (<expdir>/<config>/<N>GPU/<run_num>)"
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The resolved config a run was trained with (its ``config.yaml``: one named config).
+
+    Raises:
+        UserError: no such directory or file, or not a file of one named config.
+    """
+    path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} not found; {RUN_DIR_HINT}")
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no config.yaml; {RUN_DIR_HINT}")
+    names = list(read_yaml(path))
+    if len(names) != 1:
+        raise UserError(f"{path} holds {len(names)} configs ({', '.join(names)}); expected the one resolved config "
+                        "that train.py writes: restore the run's file")
+    return load_config(path, names[0])
+

@@ -1,0 +1,268 @@
+"""The typed config: one dataclass per section, every key with a type, a default and a one-line doc.
+
+The YAML named configs (``config/ViT.yaml``) and the command line fill a :class:`Config`
+(``utils/config/loading.py``); types always come from the annotations here, never from how a YAML default
+is spelled (``utils/config/types.py``). ``utils/config/validate.py`` runs the cross-field checks in one step,
+before anything is built or written. Each component receives only its own section (``cfg.data``,
+``cfg.parallel``, ...).
+
+This package imports nothing heavy (no torch), so ``--help`` and config errors answer at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL,
+                                KeySpec, key, plain)
+
+
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+CUDA_ONLY_ATTENTION = ("cudnn", "cudnn_packed", "flash", "efficient")
+
+
+# SDPA kernels that take half precision only (PyTorch docs, torch.nn.attention.SDPBackend)
+HALF_ONLY_ATTENTION = ("cudnn", "cudnn_packed", "flash")
+
+
+# keys that matter only with --amp_mode fp8; float8 tensor cores start with Hopper (sm_90)
+FP8_KEYS = ("fp8_recipe", "fp8_all_gather")
+
+
+FP8_MIN_CAPABILITY = (9, 0)
+
+
+@dataclass
+class ModelConfig:
+    """The network (``networks/``)."""
+
+    nettype: Literal["VisionTransformer"] = key("VisionTransformer", "model class in networks.MODELS")
+    embed_dim: int = key(384, "transformer width D", AT_LEAST_1)
+    depth: int = key(12, "number of transformer blocks", AT_LEAST_1)
+    num_heads: int = key(8, "attention heads; must divide embed_dim", AT_LEAST_1)
+    mlp_ratio: float = key(4.0, "MLP hidden width / embed_dim", POSITIVE)
+    patch_size: int = key(8, "patch edge in grid points; must divide both img_size dims", AT_LEAST_1)
+
+
+@dataclass
+class DataConfig:
+    """Data layout, samples and loaders (``utils/data_loader.py``, ``utils/dali_loader.py``)."""
+
+    data_path: str = key("/data", "data root: train/, valid/ and stats/ (README: Data layout)")
+    img_size: tuple[int, int] = key((360, 720), "(H, W) crop from the north-west corner, grid points",
+                                    AT_LEAST_1)
+    n_in_channels: int = key(20, "input channels C (must match the files)", AT_LEAST_1)
+    n_out_channels: int = key(20, "output channels; equal to n_in_channels", AT_LEAST_1)
+    dt: int = key(1, "file time steps between input and target", AT_LEAST_1)
+    limit_nsamples: Optional[int] = key(None, "training samples per epoch at most (null: all)", AT_LEAST_1)
+    limit_nsamples_val: Optional[int] = key(None, "validation samples at most (null: all)", AT_LEAST_1)
+    data_loader_config: Literal["pytorch", "dali", "synthetic"] = key(
+        "pytorch", "native h5py loader, NVIDIA DALI, or random device tensors (compute ceiling)")
+    num_data_workers: int = key(0, "loader worker processes (0: read in the main process)", NON_NEGATIVE)
+
+
+@dataclass
+class OptimConfig:
+    """Batch sizes, optimizer, schedule and seed (``utils/trainer.py``)."""
+
+    global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks", AT_LEAST_1)
+    local_batch_size: Optional[Union[int, Literal["auto"]]] = key(
+        None, "micro-batch per data-parallel rank; set, it overrides global_batch_size (null: global / (dp x "
+              "accumulation); auto: the batch tuner's max-throughput choice)", BATCH_OR_AUTO)
+    grad_accum_steps: int = key(1, "micro-steps per optimizer step (gradients synced on the last)", AT_LEAST_1)
+    num_iters: int = key(30000, "optimizer steps in the run", AT_LEAST_1)
+    lr: float = key(5.0e-4, "peak learning rate of Adam", POSITIVE)
+    betas: tuple[float, float] = key((0.9, 0.95), "Adam (beta1, beta2)", UNIT_INTERVAL)
+    weight_decay: float = key(0.0, "Adam L2 weight decay", NON_NEGATIVE)
+    lr_schedule: Literal["cosine", "constant"] = key("cosine", "after warmup: cosine to 0, or constant")
+    warmup: int = key(0, "linear warmup steps", NON_NEGATIVE)
+    max_grad_norm: float = key(0.0, "clip the global gradient norm to this (0: off)", NON_NEGATIVE)
+    seed: int = key(0, "seed of weights, sample order and synthetic data", SEED_RANGE)
+
+
+@dataclass
+class PrecisionConfig:
+    """Precision and speed: AMP, fused Adam, compile, attention kernel, activation checkpointing."""
+
+    amp_mode: Literal["none", "fp16", "bf16", "fp8"] = key(
+        "none", "autocast dtype; fp16 adds a GradScaler; fp8: bf16 autocast plus float8 linears (torchao) in the "
+                "transformer blocks (Hopper or newer GPU, the fp8 extra)")
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = key(
+        "tensorwise", "fp8: torchao.float8 recipe: per-tensor or per-row dynamic scaling; rowwise_with_gw_hp keeps "
+                      "the weight-gradient GEMM in bf16")
+    fp8_all_gather: bool = key(True, "fp8 under FSDP with the tensorwise recipe: all-gather weights in float8 (half "
+                                     "the bytes of bf16); rowwise recipes gather bf16")
+    enable_fused: bool = key(False, "fused Adam kernel")
+    enable_jit: bool = key(False, "torch.compile the model and the loss")
+    compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = key(
+        "default", "torch.compile mode (needs enable_jit)")
+    compile_pdl: bool = key(False, "compiled kernels use Programmatic Dependent Launch (Hopper+)")
+    attention_backend: Literal["auto", "cudnn", "cudnn_packed", "flash", "efficient", "math"] = key(
+        "auto", "scaled_dot_product_attention kernel; cudnn/flash need a GPU and bf16/fp16; cudnn_packed: cuDNN "
+                "graphs on the packed QKV, no q/k/v gradient copies (GPU, bf16/fp16, the cudnn extra)")
+    activation_checkpointing: Literal["none", "full", "selective"] = key(
+        "none", "recompute activations in backward: every block, or selected ones")
+    ac_every: int = key(2, "selective: checkpoint every k-th block (0: op-level policy)", NON_NEGATIVE)
+    ac_blocks: int = key(0, "selective: checkpoint the first n blocks instead (0: use ac_every)", NON_NEGATIVE)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism and process wire-up (``distributed/``)."""
+
+    fsdp: Literal["none", "zero2", "zero3", "hsdp"] = key("none", "FSDP2 sharding (none: DDP when dp > 1)")
+    hsdp_shard_size: int = key(0, "hsdp: ranks per shard group (0: GPUs per node)", NON_NEGATIVE)
+    fsdp_prefetch: int = key(1, "blocks whose all-gathers may run ahead of compute", NON_NEGATIVE)
+    fsdp_cpu_offload: bool = key(False, "keep FSDP shards, gradients and Adam state on the host")
+    fsdp_reduce_dtype: Literal["fp32", "param"] = key("fp32", "gradient reduce dtype under AMP")
+    tensor_parallel: int = key(1, "tensor-parallel size tp (heads and MLP columns split)", AT_LEAST_1)
+    context_parallel: int = key(1, "context-parallel size cp (tokens split)", AT_LEAST_1)
+    parallel_order: Literal["tp-cp-dp", "cp-tp-dp", "tp-dp-cp", "cp-dp-tp", "dp-tp-cp", "dp-cp-tp"] = key(
+        "tp-cp-dp", "mesh dimension order, innermost (adjacent ranks) first")
+    bucket_cap_mb: int = key(25, "DDP gradient bucket size, MiB", AT_LEAST_1)
+    ddp_static_graph: bool = key(True, "DDP static graph (off under gradient accumulation)")
+    rendezvous_timeout_s: float = key(300.0, "seconds to wait for every rank to join before failing", POSITIVE)
+    collective_timeout_s: float = key(600.0, "seconds a collective may wait before failing; a rank silent for 3/4 of "
+                                      "it (stopped, frozen) stops the job", POSITIVE)
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints, resume and the model export (``distributed/checkpoint.py``)."""
+
+    save_checkpoint: bool = key(True, "write sharded checkpoints and, at the end, checkpoints/model.pt")
+    checkpoint_every_steps: int = key(0, "checkpoint every N optimizer steps (0: only at the end)", NON_NEGATIVE)
+    checkpoint_every_minutes: float = key(0.0, "checkpoint when M minutes passed since the last one (0: off)",
+                                          NON_NEGATIVE)
+    keep_checkpoints: int = key(2, "complete checkpoints kept; older ones are deleted", AT_LEAST_1)
+    async_checkpoint: bool = key(False, "write checkpoints in the background (DCP async_save)")
+    resume: str = key("auto", "auto: continue this run from its latest complete checkpoint; never; or a "
+                              "checkpoint folder to start from")
+
+
+@dataclass
+class LoggingConfig:
+    """Run directory, logs, TensorBoard and profiling windows."""
+
+    description: str = key("", "one line saying what the named config is for")
+    expdir: str = key("runs", "root of run directories <expdir>/<config>/<N>GPU/<run_num>/")
+    run_num: str = key("auto", "run id; auto: the next free number (00, 01, ...)")
+    log_every: int = key(10, "steps between progress lines when not on a terminal", AT_LEAST_1)
+    profile_epoch: int = key(1, "0-based epoch of the Nsight window (ENABLE_PROFILING=1)", NON_NEGATIVE)
+    profile_start_step: int = key(5, "first step of the Nsight window", NON_NEGATIVE)
+    profile_steps: int = key(5, "steps in the Nsight window", AT_LEAST_1)
+
+
+@dataclass
+class MemoryConfig:
+    """The memory profiling window and OOM handling (``utils/memory.py``, ``utils/memory_profile.py``)."""
+
+    memory_profile: bool = key(False, "profile memory over a window of steps into <run_dir>/memory/rank<r>/")
+    memory_profile_epoch: int = key(0, "0-based epoch of the memory profiling window", NON_NEGATIVE)
+    memory_profile_start_step: int = key(1, "first step (within the epoch) of the memory profiling window",
+                                         NON_NEGATIVE)
+    memory_profile_steps: int = key(2, "steps in the memory profiling window", AT_LEAST_1)
+    memory_profile_max_entries: int = key(100000, "allocator events kept in the window's history (a ring buffer)",
+                                          AT_LEAST_1)
+    memory_profile_stacks: Literal["python", "all", "none"] = key(
+        "python", "stack traces recorded with each allocation: python, all (also C++), none (for big models)")
+    memory_profile_depth: int = key(3, "module depth of the per-module memory table (the model is 1, its blocks 3)",
+                                    AT_LEAST_1)
+    memory_snapshot_on_oom: Optional[bool] = key(None, "write an allocator snapshot when CUDA runs out of memory "
+                                                       "(null: on with --memory_profile)")
+
+
+@dataclass
+class EvaluationConfig:
+    """Validation and what the epoch line and TensorBoard show."""
+
+    valid_every: int = key(1, "epochs between validations (the last epoch always validates)", AT_LEAST_1)
+    key_channels: tuple[str, ...] = key((), "channels in the epoch line and run comparison ([]: first 4)")
+    plot_channel: Optional[str] = key(None, "channel of the TensorBoard prediction figure (null: first)")
+    valid_rollout_steps: int = key(1, "validation: leads scored by feeding the model its forecasts this many "
+                                      "times (1: one step ahead)", AT_LEAST_1)
+    valid_init_every: int = key(1, "validation: start forecasts at every n-th time step of each validation file "
+                                   "(fewer initial times: cheaper rollouts)", AT_LEAST_1)
+
+
+@dataclass
+class TuneConfig:
+    """The batch-size tuner (``tools/tune_batch_size.py``; ``train.py --local_batch_size auto``)."""
+
+    out: Optional[str] = key(None, "tuner: JSON of trials and choices, with a PNG beside it (null: "
+                                   "<expdir>/<config>/tune_batch_size.json)")
+    tune: Literal["batch", "ac_blocks", "fsdp_prefetch"] = key(
+        "batch", "tuner: what to search: the local batch; or, at the fixed global batch, the fastest clean local "
+                 "batch with each number of checkpointed blocks (ac_blocks) or FSDP prefetch depth")
+    tune_data: Literal["synthetic", "real"] = key("synthetic", "tuner: random batches of the real shape, or the "
+                                                               "configured loader")
+    tune_start: int = key(8, "tuner: first local batch tried (doubled until a trial fails)", AT_LEAST_1)
+    tune_max_batch: int = key(4096, "tuner: largest local batch tried", AT_LEAST_1)
+    resolution: int = key(8, "tuner: the boundary is bisected to multiples of this", AT_LEAST_1)
+    tune_below: int = key(2, "tuner: batches measured under the largest clean one, resolution apart", NON_NEGATIVE)
+    tune_warmup_steps: int = key(3, "tuner: steps run before timing a trial (compilation happens here)", AT_LEAST_1)
+    tune_steps: int = key(5, "tuner: timed steps per trial", AT_LEAST_1)
+    tolerance: float = key(0.02, "tuner: min-batch-at-peak picks the smallest batch within this fraction of the best",
+                           UNIT_INTERVAL)
+    memory_budget_gib: Optional[float] = key(None, "tuner: a trial whose peak reserved memory (CPU: peak RSS) exceeds "
+                                                   "this many GiB fails (null: the device's memory)", POSITIVE)
+    max_minutes: Optional[float] = key(None, "tuner: stop trying batches after this long and report the best so far",
+                                       POSITIVE)
+
+
+SECTIONS: dict[str, tuple[type, str]] = {
+    "model": (ModelConfig, "model"),
+    "data": (DataConfig, "data"),
+    "optim": (OptimConfig, "optimization"),
+    "precision": (PrecisionConfig, "precision and speed"),
+    "parallel": (ParallelConfig, "parallelism"),
+    "checkpoint": (CheckpointConfig, "checkpointing"),
+    "logging": (LoggingConfig, "logging and profiling"),
+    "memory": (MemoryConfig, "memory profiling and OOM handling"),
+    "evaluation": (EvaluationConfig, "evaluation"),
+    "tune": (TuneConfig, "batch-size tuner"),
+}
+
+
+@dataclass
+class Config:
+    """A resolved config: ``name`` (the named config), the YAML file it came from, and its sections."""
+
+    name: str = "custom"
+    yaml_config: str = "config/ViT.yaml"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Every key with its value, sections in schema order (tuples as lists): YAML, run.json, hparams."""
+        return {k.name: plain(getattr(getattr(self, k.section), k.name)) for k in KEYS.values()}
+
+    def set(self, name: str, value: Any) -> None:
+        """Set key ``name`` (already typed) in its section."""
+        setattr(getattr(self, KEYS[name].section), name, value)
+
+
+def _collect_keys() -> dict[str, KeySpec]:
+    keys: dict[str, KeySpec] = {}
+    for attr, (cls, _) in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f.name not in keys, f"key {f.name} declared in two sections"
+            keys[f.name] = KeySpec(f.name, attr, hints[f.name], f.default, f.metadata["doc"], f.metadata["check"])
+    return keys
+
+
+KEYS: dict[str, KeySpec] = _collect_keys()

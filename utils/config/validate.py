@@ -1,0 +1,200 @@
+"""Cross-field checks of a resolved config against the launch, run once before anything is built or written."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.config.schema import (CUDA_ONLY_ATTENTION, FP8_KEYS, FP8_MIN_CAPABILITY, HALF_ONLY_ATTENTION, KEYS, Config,
+                                 OptimConfig, ParallelConfig)
+from utils.config.types import AUTO
+from utils.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What validation needs to know about the job: its world size, whether a CUDA GPU is visible and that
+    GPU's compute capability ``(major, minor)``, e.g. ``(9, 0)`` for Hopper (None: no GPU; the entry points
+    fill it from ``distributed.env.validation_launch``)."""
+
+    world_size: int = 1
+    cuda: bool = False
+    cuda_capability: tuple[int, int] | None = None
+
+
+def validate(cfg: Config, launch: Launch) -> None:
+    """Cross-field checks, run once before anything is built or written.
+
+    Raises:
+        UserError: the first problem found, naming the keys involved and a fix.
+    """
+    for check in (_check_model, _check_batches, _check_precision, _check_parallel, _check_checkpoint, _check_paths):
+        check(cfg, launch)
+
+
+def _check_model(cfg: Config, launch: Launch) -> None:
+    m, d = cfg.model, cfg.data
+    h, w = d.img_size
+    if h % m.patch_size or w % m.patch_size:
+        raise UserError(f"img_size [{h},{w}] is not a multiple of patch_size {m.patch_size}; pick "
+                        f"--img_size [{h - h % m.patch_size},{w - w % m.patch_size}] or another --patch_size")
+    if m.embed_dim % m.num_heads:
+        raise UserError(f"embed_dim {m.embed_dim} is not divisible by num_heads {m.num_heads}; pick "
+                        f"--num_heads from {_divisors(m.embed_dim)}")
+    if int(m.embed_dim * m.mlp_ratio) < 1:
+        raise UserError(f"mlp_ratio {m.mlp_ratio} gives an MLP of width 0; raise --mlp_ratio")
+    if d.n_out_channels != d.n_in_channels:
+        raise UserError(f"n_out_channels {d.n_out_channels} must equal n_in_channels {d.n_in_channels}: "
+                        "targets are the same fields dt steps later")
+    p = cfg.precision
+    if p.activation_checkpointing == "selective" and p.ac_blocks > m.depth:
+        raise UserError(f"--ac_blocks {p.ac_blocks} exceeds the model depth {m.depth}; use at most {m.depth} "
+                        "(or --activation_checkpointing full)")
+
+
+def _divisors(n: int) -> str:
+    small = [k for k in range(1, min(n, 64) + 1) if n % k == 0]
+    return ", ".join(map(str, small[:8]))
+
+
+def data_parallel_size(world_size: int, parallel: ParallelConfig) -> int:
+    """``world_size / (tp * cp)``. Raises UserError when it does not divide."""
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    if world_size % (tp * cp):
+        raise UserError(f"world size {world_size} is not divisible by tensor_parallel x context_parallel "
+                        f"= {tp} x {cp}; launch a multiple of {tp * cp} processes or change the sizes")
+    return world_size // (tp * cp)
+
+
+def batch_sizes(optim: OptimConfig, dp: int) -> tuple[int, int]:
+    """(local micro-batch per data-parallel rank, global batch per optimizer step).
+
+    ``global = local * dp * grad_accum_steps``; ``local_batch_size``, when set, wins.
+    Raises UserError when the global batch does not divide over the ranks and micro-steps.
+    """
+    k = optim.grad_accum_steps
+    if optim.local_batch_size == AUTO:
+        raise ValueError("local_batch_size auto is resolved by the batch tuner before batch sizes are computed")
+    if optim.local_batch_size is not None:
+        return optim.local_batch_size, optim.local_batch_size * dp * k
+    gbs = optim.global_batch_size
+    if gbs % (dp * k):
+        raise UserError(f"global_batch_size {gbs} is not divisible by data-parallel size {dp} x "
+                        f"grad_accum_steps {k}; pick a multiple of {dp * k} or set --local_batch_size")
+    return gbs // (dp * k), gbs
+
+
+def _check_batches(cfg: Config, launch: Launch) -> None:
+    dp = data_parallel_size(launch.world_size, cfg.parallel)
+    if cfg.optim.local_batch_size != AUTO:
+        batch_sizes(cfg.optim, dp)
+    t = cfg.tune
+    if t.tune_start > t.tune_max_batch:
+        raise UserError(f"--tune_start {t.tune_start} exceeds --tune_max_batch {t.tune_max_batch}; lower the first "
+                        "or raise the second")
+    if t.tune == "fsdp_prefetch" and cfg.parallel.fsdp == "none":
+        raise UserError("--tune fsdp_prefetch tunes FSDP's prefetch depth, but --fsdp is none; add --fsdp zero3 "
+                        "(or zero2, hsdp) or tune ac_blocks")
+
+
+def _check_precision(cfg: Config, launch: Launch) -> None:
+    p = cfg.precision
+    backend = p.attention_backend
+    if backend in CUDA_ONLY_ATTENTION and not launch.cuda:
+        raise UserError(f"--attention_backend {backend} needs a CUDA GPU and none is visible; "
+                        "use --attention_backend auto (or math) on CPU")
+    if backend in HALF_ONLY_ATTENTION and p.amp_mode == "none":
+        raise UserError(f"--attention_backend {backend} runs only in bf16/fp16, but --amp_mode is none; "
+                        "add --amp_mode bf16 or use --attention_backend auto")
+    if backend == "cudnn_packed":
+        _check_packed_attention(cfg)
+    if p.compile_mode != "default" and not p.enable_jit:
+        raise UserError(f"--compile_mode {p.compile_mode} has no effect without --enable_jit; "
+                        "add --enable_jit or drop --compile_mode")
+    if cfg.data.data_loader_config == "dali" and importlib.util.find_spec("nvidia.dali") is None:
+        raise UserError("--data_loader_config dali needs NVIDIA DALI: pip install '.[dali]' "
+                        "(nvidia-dali-cuda120; nvidia-dali-cuda130 on CUDA 13), or use --data_loader_config pytorch")
+    _check_fp8(cfg, launch)
+
+
+def model_parallel(par: ParallelConfig) -> bool:
+    """Whether tensor or context parallelism replaces the dense layers (``distributed/tensor_parallel.py``)."""
+    return par.tensor_parallel > 1 or par.context_parallel > 1
+
+
+def _check_fp8(cfg: Config, launch: Launch) -> None:
+    p, par, m = cfg.precision, cfg.parallel, cfg.model
+    if p.amp_mode != "fp8":
+        for name in FP8_KEYS:
+            if getattr(p, name) != KEYS[name].default:
+                raise UserError(f"--{name} has no effect without --amp_mode fp8; add --amp_mode fp8 or drop --{name}")
+        return
+    # the config's own conflicts first, then what this machine lacks
+    if model_parallel(par):
+        raise UserError("--amp_mode fp8 is not supported with tensor or context parallelism (their layers run their "
+                        "own GEMMs); use --amp_mode bf16, or --tensor_parallel 1 --context_parallel 1")
+    if par.fsdp_cpu_offload:
+        raise UserError("--amp_mode fp8 is not supported with --fsdp_cpu_offload; drop --fsdp_cpu_offload or use "
+                        "--amp_mode bf16")
+    hidden = int(m.embed_dim * m.mlp_ratio)
+    if m.embed_dim % 16 or hidden % 16:
+        raise UserError(f"--amp_mode fp8: float8 GEMMs need widths that are multiples of 16, but embed_dim is "
+                        f"{m.embed_dim} and the MLP hidden width (embed_dim x mlp_ratio) {hidden}; pick multiples "
+                        "of 16 or use --amp_mode bf16")
+    capability = launch.cuda_capability if launch.cuda else None
+    if capability is None or capability < FP8_MIN_CAPABILITY:
+        found = f"this GPU's is {capability[0]}.{capability[1]}" if capability else "no CUDA GPU is visible"
+        raise UserError(f"--amp_mode fp8 needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer, but {found}; "
+                        "use --amp_mode bf16")
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("--amp_mode fp8 needs torchao: pip install -e '.[fp8]', or use --amp_mode bf16")
+
+
+def _check_packed_attention(cfg: Config) -> None:
+    if importlib.util.find_spec("cudnn") is None:
+        raise UserError("--attention_backend cudnn_packed needs cudnn-frontend: pip install -e '.[cudnn]' "
+                        "(nvidia-cudnn-frontend), or use --attention_backend cudnn")
+    if model_parallel(cfg.parallel):
+        raise UserError("--attention_backend cudnn_packed runs whole-sequence, all-head attention; with tensor or "
+                        "context parallelism use --attention_backend cudnn")
+
+
+def _check_parallel(cfg: Config, launch: Launch) -> None:
+    par = cfg.parallel
+    dp = data_parallel_size(launch.world_size, par)
+    if par.fsdp == "hsdp" and par.hsdp_shard_size and dp % par.hsdp_shard_size:
+        raise UserError(f"--hsdp_shard_size {par.hsdp_shard_size} must divide the data-parallel size {dp}")
+    if par.fsdp_cpu_offload:
+        if par.fsdp == "none" or dp == 1:
+            raise UserError("--fsdp_cpu_offload needs FSDP over more than one data-parallel rank; add "
+                            "--fsdp zero3 (or zero2/hsdp) and launch 2+ processes, or drop --fsdp_cpu_offload")
+        if not launch.cuda:
+            raise UserError("--fsdp_cpu_offload moves FSDP shards from the GPU to the host, but no GPU is "
+                            "visible; drop --fsdp_cpu_offload on CPU")
+        if model_parallel(par):
+            raise UserError("--fsdp_cpu_offload is not supported with tensor or context parallelism; "
+                            "drop it or use --tensor_parallel 1 --context_parallel 1")
+        if cfg.precision.amp_mode == "fp16":
+            raise UserError("--fsdp_cpu_offload cannot unscale fp16 gradients on the host; "
+                            "use --amp_mode bf16 (no GradScaler needed)")
+
+
+def _check_checkpoint(cfg: Config, launch: Launch) -> None:
+    c = cfg.checkpoint
+    if c.resume not in ("auto", "never") and not Path(c.resume).is_dir():
+        raise UserError(f"--resume {c.resume}: no such checkpoint folder; pass auto, never, or a folder such as "
+                        "runs/<config>/<N>GPU/<run>/checkpoints")
+
+
+def _check_paths(cfg: Config, launch: Launch) -> None:
+    run_num = cfg.logging.run_num
+    if not run_num or run_num in (".", "..") or "/" in run_num or "\\" in run_num:
+        raise UserError(f"--run_num {run_num!r} must be a plain name like 00 or lr1e-3 (or auto)")
+    expdir = Path(cfg.logging.expdir)
+    existing = next(p for p in (expdir, *expdir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"--expdir {expdir}: {existing} is a file, not a directory; pass another --expdir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--expdir {expdir}: {existing} is not writable; pass a writable --expdir")

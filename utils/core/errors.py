@@ -1,0 +1,124 @@
+"""Errors for expected bad input, exit statuses, and the wrapper every command-line entry point runs in.
+
+Expected problems (bad config, data or environment) are :class:`UserError`: the entry point prints them
+as one line, ``error: <message>``, with no traceback, and exits non-zero (:func:`run_cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """Bad input from the user (config, data, environment). The message names the problem and the fix."""
+
+
+class NothingToDo(Exception):
+    """The command has nothing to do (the run it names is complete): its message is printed, exit 0."""
+
+
+class NonFiniteError(UserError):
+    """NaN or Inf found in a batch or in the loss."""
+
+
+# Exit status of a run stopped by SIGUSR1/SIGTERM after writing its checkpoint: EX_TEMPFAIL of
+# sysexits.h ("try again later"); submit_pm.sh requeues the job on it.
+EXIT_PREEMPTED = 75
+
+
+# Exit status of a run stopped because a GPU ran out of memory (every rank: see OutOfMemory), so
+# scripts can tell it from other errors (2) and retry with a smaller batch.
+EXIT_OUT_OF_MEMORY = 3
+
+
+class OutOfMemory(UserError):
+    """A device ran out of memory: the message names the rank, phase, batch, figures and remedies;
+    exit EXIT_OUT_OF_MEMORY."""
+
+
+def failure_status(exc: BaseException) -> int:
+    """The exit status a rank's failure ``exc`` gives every rank of the job: :data:`EXIT_OUT_OF_MEMORY`
+    for :class:`OutOfMemory`, else 2."""
+    return EXIT_OUT_OF_MEMORY if isinstance(exc, OutOfMemory) else 2
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after checkpointing: the message is printed, exit EXIT_PREEMPTED."""
+
+
+def one_line(exc: BaseException | str) -> str:
+    """``exc``'s message on one line (library messages may hold newlines)."""
+    return " ".join(str(exc).split())
+
+
+def exit_status(main, *args, **kwargs) -> int:
+    """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0 (also after
+    :class:`NothingToDo`, whose message goes to stdout), :data:`EXIT_PREEMPTED` after
+    :class:`Preempted` (message to stdout), or :func:`failure_status` (2, or :data:`EXIT_OUT_OF_MEMORY`)
+    with ``error: <message>`` on stderr (no traceback) for a :class:`UserError`."""
+    try:
+        main(*args, **kwargs)
+        return 0
+    except NothingToDo as exc:
+        print(exc, flush=True)
+        return 0
+    except Preempted as exc:
+        if str(exc):  # rank 0 speaks for the job
+            print(exc, flush=True)
+        return EXIT_PREEMPTED
+    except UserError as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)  # always one line
+        return failure_status(exc)
+
+
+# exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
+
+
+def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None) -> int:
+    """Run a command-line entry point ``main(argv)`` (default ``sys.argv[1:]``) and return its exit status:
+    :func:`exit_status`'s, :data:`EXIT_INTERRUPTED` after Ctrl-C, 0 when the reader of a pipe closed early
+    (``--help | head``), 1 with a traceback for a bug.
+
+    A failed rank of a multi-process job exits at once (``os._exit``), without tearing down a process
+    group whose peers may be gone.
+    """
+    try:
+        status = exit_status(main, sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        status = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
+    except Exception:
+        import traceback
+        traceback.print_exc()
+        status = 1
+    dist = sys.modules.get("torch.distributed")  # imported by the entry point if it uses it
+    if status and dist is not None and dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def free_space(directory) -> str:
+    """``"N GiB free there"`` for the message of a failed write (full disk, quota)."""
+    import shutil
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` whose errors are one line like every other bad input:
+    ``error: <message>; see --help`` on stderr and exit status 2 (argparse's own prints a usage
+    line first, and its ``prog: error:`` prefix differs from the entry points')."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see --help\n")
