@@ -1,7 +1,7 @@
 """What a checkpoint costs on the real setup: size, save time (sync and async), load time, and the
 training stall each kind of save causes, against the single-file full-model gather to rank 0 that
 the run wrote every epoch before sharded checkpoints. As in training, the host buffers that saves
-copy the state into are allocated in the background while steps run (``CheckpointManager.prepare``),
+copy the state into are allocated in the background while steps run (``ShardedCheckpoints.prepare``),
 before the first save.
 
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --config vit_2b --fsdp zero3 --amp_mode bf16 \\
@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import Results, table  # noqa: E402
 from distributed.checkpoint.export import save_full_model
-from distributed.checkpoint.manager import CheckpointManager  # noqa: E402
+from distributed.checkpoint.sharded import ShardedCheckpoints  # noqa: E402
 from distributed.launch import detect_launch
 from distributed.world import all_reduce, distributed_session  # noqa: E402
 from utils.config.cli import cli_config  # noqa: E402
@@ -81,10 +81,10 @@ def folder_gb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
 
 
-def manager(trainer: Trainer, directory: Path, asynchronous: bool) -> CheckpointManager:
+def manager(trainer: Trainer, directory: Path, asynchronous: bool) -> ShardedCheckpoints:
     cfg = dataclasses.replace(trainer.cfg.checkpoint, async_checkpoint=asynchronous, keep_checkpoints=1)
     stateful = {"scheduler": trainer.scheduler, "scaler": trainer.scaler, "train_state": trainer.state}
-    return CheckpointManager(cfg, directory, trainer.model, trainer.optimizer, stateful, trainer.world)
+    return ShardedCheckpoints(cfg, directory, trainer.model, trainer.optimizer, stateful, trainer.world)
 
 
 def timed(trainer: Trainer, fn) -> float:
@@ -134,7 +134,7 @@ def measure(trainer: Trainer, root: Path, n_steps: int, async_steps: int) -> lis
     return rows
 
 
-def prepared(trainer: Trainer, stepper: Stepper, mgr: CheckpointManager, step_s: float, steps: int,
+def prepared(trainer: Trainer, stepper: Stepper, mgr: ShardedCheckpoints, step_s: float, steps: int,
              kind: str) -> dict:
     """What the trainer does after its first step: start allocating the saves' host buffers in the
     background, and train on. The stall is the extra time of the ``steps`` steps run meanwhile."""
@@ -149,7 +149,7 @@ def prepared(trainer: Trainer, stepper: Stepper, mgr: CheckpointManager, step_s:
     return row
 
 
-def async_save(trainer: Trainer, stepper: Stepper, mgr: CheckpointManager, step_s: float, steps: int) -> dict:
+def async_save(trainer: Trainer, stepper: Stepper, mgr: ShardedCheckpoints, step_s: float, steps: int) -> dict:
     """Stage, train ``steps`` steps while the write runs in the background, then commit (``wait``).
 
     The stall is the staging plus the extra time of those steps over the median step; the final

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train  # noqa: E402
 from networks.vit import VisionTransformer  # noqa: E402
-from tools.tune_batch_size import PROG, main  # noqa: E402
+from utils.core.errors import run_cli  # noqa: E402
+from utils.tuner.cli import main  # noqa: E402
 
 OOM_FROM = int(os.environ["OOM_FROM"])
 CHOSEN = os.environ.get("OOM_RANKS") is None or os.environ.get("RANK", "0") in os.environ["OOM_RANKS"].split(",")
@@ -33,4 +33,4 @@ def forward(self, x):
 
 
 VisionTransformer.forward = forward
-sys.exit(train.cli("tiny", main, PROG))
+sys.exit(run_cli(main))

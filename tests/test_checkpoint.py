@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``distributed.checkpoint.CheckpointManager``) and ``tools.export_model``.
+"""Sharded checkpoints (``distributed.checkpoint.sharded.ShardedCheckpoints``) and ``tools.export_model``.
 
 A small ViT with Adam, LambdaLR, a disabled GradScaler and a toy stateful with per-rank state takes a
 few steps, is saved, takes more, and is loaded into fresh objects, which must hold bitwise the saved
@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed.checkpoint.files import LATEST, step_folder
-from distributed.checkpoint.manager import CheckpointManager
+from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.checkpoint.storage import CheckedWriter
 from distributed.launch import LaunchEnv
 from distributed.world import World
@@ -42,7 +42,7 @@ SMALL = dict(img_size=(8, 16), patch_size=4, in_chans=2, out_chans=2, embed_dim=
 # the same model as a config (for config.yaml and the export tool)
 SMALL_CONFIG = {"img_size": [8, 16], "patch_size": 4, "n_in_channels": 2, "n_out_channels": 2, "embed_dim": 16,
                 "depth": 2, "num_heads": 2}
-LOGGER = "distributed.checkpoint"
+LOGGER = "distributed.checkpoint.sharded"
 
 
 class Toy:
@@ -77,7 +77,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     toy: Toy
-    manager: CheckpointManager
+    manager: ShardedCheckpoints
 
 
 def make_world(rank: int = 0, world_size: int = 1) -> World:
@@ -99,7 +99,7 @@ def make_run(directory, world: World, parallel: str = "none", seed: int = 0, **c
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     toy = Toy(world.rank)
     stateful = {"scheduler": scheduler, "scaler": torch.amp.GradScaler("cpu", enabled=False), "toy": toy}
-    manager = CheckpointManager(CheckpointConfig(**cfg), Path(directory), model, optimizer, stateful, world)
+    manager = ShardedCheckpoints(CheckpointConfig(**cfg), Path(directory), model, optimizer, stateful, world)
     return Run(model, optimizer, scheduler, toy, manager)
 
 

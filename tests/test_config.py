@@ -322,7 +322,7 @@ def test_to_yaml_round_trip(name, tmp_path):
 # ---------------------------------------------------------------- batch_sizes and lr_lambda
 @pytest.fixture(scope="module")
 def train_step_mod():
-    from utils import train_step
+    from utils.train import step as train_step
 
     return train_step
 

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tools import convert_era5, era5_layout as layout
+from utils.data import convert, formats, layout, plan
 from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")
@@ -94,7 +94,7 @@ def test_calendar_split_and_step(tmp_path, calendar, name, n_train):
     ds = ds.assign_coords(time=("time", ds["time"].values,
                                 {"units": "hours since 2001-02-27 00:00:00", "calendar": calendar}))
     ds.to_netcdf(tmp_path / "in.nc", engine="h5netcdf")
-    summary = convert_era5.convert(tmp_path / "in.nc", tmp_path / "out", ["t", "t2m"], [850, 500],
+    summary = convert.convert(tmp_path / "in.nc", tmp_path / "out", ["t", "t2m"], [850, 500],
                                    valid_start="2001-03-01", verbose=False)
     assert summary["dt_hours"] == 24.0 and summary["calendar"] == name
     valid, attrs = read_file(tmp_path / "out" / "valid" / "2001.h5")
@@ -109,7 +109,7 @@ def test_noleap_year_files_and_gap(tmp_path):
                                        use_cftime=True))
     ds = weather(times)
     ds.to_netcdf(tmp_path / "in.nc", engine="h5netcdf")
-    summary = convert_era5.convert(tmp_path / "in.nc", tmp_path / "out", ["t", "t2m"], [850, 500],
+    summary = convert.convert(tmp_path / "in.nc", tmp_path / "out", ["t", "t2m"], [850, 500],
                                    valid_start="2004-02-28", verbose=False)
     assert summary["files"] == {"train": [("2003.h5", 2), ("2004.h5", 2)], "valid": [("2004.h5", 4)]}
     assert summary["dt_hours"] == 12.0  # Feb 28 12:00 -> Mar 1 00:00 is one step: no Feb 29 in noleap
@@ -117,15 +117,15 @@ def test_noleap_year_files_and_gap(tmp_path):
     np.testing.assert_array_equal(read_file(tmp_path / "out" / "train" / "2004.h5")[0], expected(ds, slice(2, 4)))
     np.testing.assert_array_equal(read_file(tmp_path / "out" / "valid" / "2004.h5")[0], expected(ds, slice(4, 8)))
     with pytest.raises(LayoutError, match="not an ISO 8601 time of the input's noleap calendar"):
-        convert_era5.convert(tmp_path / "in.nc", tmp_path / "bad", ["t2m"], valid_start="2004-02-29")
+        convert.convert(tmp_path / "in.nc", tmp_path / "bad", ["t2m"], valid_start="2004-02-29")
 
 
 def test_native_datetimes_count_as_proleptic_gregorian():
     """A time coordinate stored as datetime64 without CF units (possible in zarr stores)."""
     ds = weather(np.arange("2000-12-31T00", "2001-01-02T00", np.timedelta64(6, "h"), dtype="datetime64[ns]"))
-    plan = convert_era5.make_plan(ds, ["t2m"], valid_start="2001-01-01")
-    assert plan.calendar == "proleptic_gregorian" and plan.dt_hours == 6.0
-    assert [(f.split, f.name, f.times.size) for f in plan.files] == [("train", "2000.h5", 4), ("valid", "2001.h5", 4)]
+    made = plan.make_plan(ds, ["t2m"], valid_start="2001-01-01")
+    assert made.calendar == "proleptic_gregorian" and made.dt_hours == 6.0
+    assert [(f.split, f.name, f.times.size) for f in made.files] == [("train", "2000.h5", 4), ("valid", "2001.h5", 4)]
 
 
 # ---------------------------------------------------------------- zarr
@@ -140,8 +140,8 @@ def test_zarr_store(tmp_path, zarr_format):
     ds = weather(times).rename(t="temperature", t2m="2m_temperature")
     store = tmp_path / "era5.zarr"
     ds.to_zarr(store, zarr_format=zarr_format, consolidated=zarr_format == 2)  # as WeatherBench 2 writes v2
-    assert convert_era5.detect_format(store) == "zarr"
-    summary = convert_era5.convert(store, tmp_path / "out", ["temperature", "2m_temperature"], [850, 500],
+    assert formats.detect_format(store) == "zarr"
+    summary = convert.convert(store, tmp_path / "out", ["temperature", "2m_temperature"], [850, 500],
                                    valid_fraction=0.5, verbose=False)
     assert summary["channels"] == ["temperature850", "temperature500", "2m_temperature"]
     assert summary["calendar"] == "proleptic_gregorian" and summary["dt_hours"] == 6.0
@@ -193,7 +193,7 @@ def test_grib_two_variables_two_levels(eccodes, tmp_path):
               for i in range(len(GRIB_TIMES)) for name in ("t", "z") for level in (850, 500)}
     path = write_grib(eccodes, tmp_path / "era5.grib",
                       [(*GRIB_TIMES[i], 6, name, level, v) for (i, name, level), v in values.items()])
-    summary = convert_era5.convert(path, tmp_path / "out", ["t", "z"], [500, 850], valid_start="2001-01-02T06",
+    summary = convert.convert(path, tmp_path / "out", ["t", "z"], [500, 850], valid_start="2001-01-02T06",
                                    verbose=False)
     assert summary["channels"] == ["t500", "t850", "z500", "z850"] and summary["dt_hours"] == 12.0
     assert summary["files"] == {"train": [("2000.h5", 2), ("2001.h5", 2)], "valid": [("2001.h5", 2)]}
@@ -215,17 +215,17 @@ def test_grib_single_level_and_forecast_steps(eccodes, tmp_path):
     # one run's lead times 0..30 h at one level: 'step' is the time axis, the level a scalar coordinate
     one_run = [(20010101, 0, step, "t", 500, field()) for step in range(0, 36, 6)]
     path = write_grib(eccodes, tmp_path / "run.grb2", one_run)
-    summary = convert_era5.convert(path, tmp_path / "out", ["t"], [500], verbose=False)
+    summary = convert.convert(path, tmp_path / "out", ["t"], [500], verbose=False)
     assert summary["channels"] == ["t500"] and summary["dt_hours"] == 6.0
     assert summary["time_range"]["valid"] == ("2001-01-01T18:00:00", "2001-01-02T06:00:00")
     fields, _ = read_file(tmp_path / "out" / "valid" / "2001.h5")
     np.testing.assert_array_equal(fields[:, 0], np.stack([m[-1] for m in one_run[3:]])[:, ::-1])
     with pytest.raises(LayoutError, match=r"no level 850 along 'isobaricInhPa'; available levels: 500"):
-        convert_era5.convert(path, tmp_path / "bad", ["t"], [850], verbose=False)
+        convert.convert(path, tmp_path / "bad", ["t"], [850], verbose=False)
     # several start times, each with several lead times: no single time axis
     runs = [(*GRIB_TIMES[i], step, "t", 500, field()) for i in range(2) for step in (0, 6)]
     with pytest.raises(LayoutError, match=r"2 start times with 2 lead times each .*grib_copy -w step=6"):
-        convert_era5.open_input(write_grib(eccodes, tmp_path / "runs.grib", runs))
+        formats.open_input(write_grib(eccodes, tmp_path / "runs.grib", runs))
 
 
 # ---------------------------------------------------------------- detection and bad input
@@ -238,7 +238,7 @@ def test_detect_format(tmp_path):
     (tmp_path / "e.txt").write_text("hello")
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "zarr.json").write_text("{}")
-    got = {p.name: convert_era5.detect_format(p) for p in sorted(tmp_path.iterdir())}
+    got = {p.name: formats.detect_format(p) for p in sorted(tmp_path.iterdir())}
     assert got == {"a.nc": "netcdf", "b.h5": "netcdf", "c.bin": "grib", "d.grib": "grib", "e.txt": None,
                    "store": "zarr"}
 
@@ -252,7 +252,7 @@ def test_missing_optional_package(tmp_path, monkeypatch, module, extra, name):
         (tmp_path / name).write_bytes(b"GRIB")
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail as if not installed
     with pytest.raises(LayoutError, match=rf"needs the Python package '{module}' .*pip install -e '\.\[{extra}\]'"):
-        convert_era5.open_input(tmp_path / name)
+        formats.open_input(tmp_path / name)
 
 
 ACCEPTED = "--input takes a netCDF file, a GRIB file or a zarr store folder"

@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from tools import convert_era5, era5_layout as layout, make_synthetic_data as synth
+from tools import convert_era5, make_synthetic_data as synth
+from utils.data import convert, formats, generate, layout, metadata, plan, writer
 from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")
@@ -48,38 +49,38 @@ def test_layout_writer_and_stats(tmp_path):
     rng = np.random.default_rng(0)
     arrays = [rng.normal(5e4, 1e3, size=(n, 2, 3, 4)).astype(np.float32) for n in (5, 1, 7)]
     lat, lon = np.array([60.0, 0.0, -60.0]), np.arange(4) * 90.0
-    path = layout.write_field_file(tmp_path / "a.h5", arrays[0], ["z500", "t850"], lat, lon, dt_hours=6)
+    path = writer.write_field_file(tmp_path / "a.h5", arrays[0], ["z500", "t850"], lat, lon, dt_hours=6)
     np.testing.assert_array_equal(read_fields(path), arrays[0])
-    assert layout.read_channel_names(path) == ["z500", "t850"] and not list(tmp_path.glob("*.part"))
+    assert metadata.read_channel_names(path) == ["z500", "t850"] and not list(tmp_path.glob("*.part"))
     # streaming over blocks of any size gives the statistics of the concatenation
-    stats = layout.compute_and_save_stats(tmp_path, arrays, ["z500", "t850"])
+    stats = writer.compute_and_save_stats(tmp_path, arrays, ["z500", "t850"])
     assert_stats_equal(stats, numpy_stats(arrays))
     assert_stats_equal(load_stats(tmp_path), numpy_stats(arrays))
     with pytest.raises(LayoutError, match="descending"):
-        layout.write_field_file(tmp_path / "b.h5", arrays[0], ["z500", "t850"], lat[::-1], lon, 6)
+        writer.write_field_file(tmp_path / "b.h5", arrays[0], ["z500", "t850"], lat[::-1], lon, 6)
     with pytest.raises(LayoutError, match="never written"):
-        with layout.FieldFileWriter(tmp_path / "c.h5", ["z500", "t850"], lat, lon, 3, 6) as writer:
-            writer.write(0, arrays[1])
+        with writer.FieldFileWriter(tmp_path / "c.h5", ["z500", "t850"], lat, lon, 3, 6) as out:
+            out.write(0, arrays[1])
     with pytest.raises(LayoutError, match=r"\['t850'\] are constant"):
-        layout.compute_and_save_stats(tmp_path, [np.stack([arrays[0][:, 0], np.ones((5, 3, 4))], 1)], ["z500", "t850"])
+        writer.compute_and_save_stats(tmp_path, [np.stack([arrays[0][:, 0], np.ones((5, 3, 4))], 1)], ["z500", "t850"])
     assert sorted(p.name for p in tmp_path.glob("*.h5*")) == ["a.h5"]  # failed writes leave nothing
     with pytest.raises(FileNotFoundError):
-        layout.read_channel_names(tmp_path / "missing.h5")
+        metadata.read_channel_names(tmp_path / "missing.h5")
     # unwritable destinations (a file where a folder should be) and unreadable files name the path
     with pytest.raises(LayoutError, match=r"cannot create .*a\.h5/b\.h5\.part .*pass a writable --out"):
-        layout.write_field_file(path / "b.h5", arrays[0], ["z500", "t850"], lat, lon, dt_hours=6)
+        writer.write_field_file(path / "b.h5", arrays[0], ["z500", "t850"], lat, lon, dt_hours=6)
     with pytest.raises(LayoutError, match=r"cannot write the statistics to .*a\.h5/stats"):
-        layout.save_stats(path, stats)
+        writer.save_stats(path, stats)
     (tmp_path / "notes.h5").write_text("not HDF5")
     with pytest.raises(LayoutError, match=r"cannot read .*notes\.h5 as HDF5"):
-        layout.read_channel_names(tmp_path / "notes.h5")
+        metadata.read_channel_names(tmp_path / "notes.h5")
 
 
 # ---------------------------------------------------------------- synthetic generator
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
-    return synth.make_synthetic_dataset(tmp_path_factory.mktemp("synthetic"), seed=3)
+    return generate.make_synthetic_dataset(tmp_path_factory.mktemp("synthetic"), seed=3)
 
 
 def test_synthetic_layout_shapes_and_dtypes(synthetic):
@@ -95,7 +96,7 @@ def test_synthetic_layout_shapes_and_dtypes(synthetic):
         assert lat.dtype == lon.dtype == np.float64 and lat.shape == (32,) and lon.shape == (64,)
         assert lat[0] == 90.0 and np.all(np.diff(lat) < 0) and lat[-1] > -90
         assert lon[0] == 0.0 and np.all(np.diff(lon) > 0) and lon[-1] < 360
-        assert layout.read_channel_names(path) == ["u10m", "v10m", "t2m", "sp"]
+        assert metadata.read_channel_names(path) == ["u10m", "v10m", "t2m", "sp"]
     stats = load_stats(synthetic)
     assert stats["global_means"].shape == stats["global_stds"].shape == (1, 4, 1, 1)
     assert stats["time_means"].shape == (1, 4, 32, 64)
@@ -107,18 +108,18 @@ def test_synthetic_layout_shapes_and_dtypes(synthetic):
 
 
 def test_synthetic_channel_names():
-    assert synth.channel_names(20) == list(synth.BASE_CHANNELS)
-    longer = synth.channel_names(30)
-    assert longer[:20] == list(synth.BASE_CHANNELS) and len(set(longer)) == 30
+    assert generate.channel_names(20) == list(generate.BASE_CHANNELS)
+    longer = generate.channel_names(30)
+    assert longer[:20] == list(generate.BASE_CHANNELS) and len(set(longer)) == 30
     with pytest.raises(LayoutError, match="--channels"):
-        synth.channel_names(0)
+        generate.channel_names(0)
 
 
 def test_synthetic_is_deterministic(synthetic, tmp_path):
-    again = synth.make_synthetic_dataset(tmp_path / "again", seed=3)
+    again = generate.make_synthetic_dataset(tmp_path / "again", seed=3)
     for path in sorted(synthetic.rglob("*.*")):
         assert path.read_bytes() == (again / path.relative_to(synthetic)).read_bytes(), path
-    other = synth.make_synthetic_dataset(tmp_path / "other", seed=4)
+    other = generate.make_synthetic_dataset(tmp_path / "other", seed=4)
     assert not np.array_equal(read_fields(other / "train" / "2000.h5"), read_fields(synthetic / "train" / "2000.h5"))
 
 
@@ -224,7 +225,7 @@ def small_nc(tmp_path_factory) -> tuple[Path, object]:
 
 def test_convert_round_trip(small_nc, tmp_path):
     path, ds = small_nc
-    summary = convert_era5.convert(path, tmp_path, **CONVERT_ARGS)
+    summary = convert.convert(path, tmp_path, **CONVERT_ARGS)
     names = ["t850", "t500", "z850", "z500", "t2m"]
     assert summary["channels"] == names and summary["grid"] == (4, 8) and summary["dt_hours"] == 6.0
     # train: 2019-12-31 00..18 (4 steps) and 2020-01-01 00, 06 (2); valid: 2020-01-01 12 .. 2020-01-02 06 (4)
@@ -242,7 +243,7 @@ def test_convert_round_trip(small_nc, tmp_path):
         np.testing.assert_array_equal(read_fields(tmp_path / "valid" / f"2020_m{m:02d}.h5"),
                                       expected_fields(ds, m, np.arange(6, 10)).astype(np.float32))
     out_file = tmp_path / "valid" / "2020_m01.h5"
-    assert layout.read_channel_names(out_file) == names
+    assert metadata.read_channel_names(out_file) == names
     with h5py.File(out_file, "r") as f:
         np.testing.assert_array_equal(f[layout.LATITUDE][:], [90.0, 60.0, 30.0, 0.0])
         np.testing.assert_array_equal(f[layout.LONGITUDE][:], LON[:8])
@@ -256,7 +257,7 @@ def test_convert_round_trip(small_nc, tmp_path):
 def test_convert_member_selection_and_fraction(small_nc, tmp_path):
     path, ds = small_nc
     args = dict(CONVERT_ARGS, valid_start=None, valid_fraction=0.3, members="0,2")
-    summary = convert_era5.convert(path, tmp_path, **args)
+    summary = convert.convert(path, tmp_path, **args)
     assert summary["members"] == [0, 2]
     # 0.3 of 10 steps -> the last 3 are validation
     assert [p.name for p in layout.split_files(tmp_path, "valid")] == ["2020_m00.h5", "2020_m02.h5"]
@@ -267,7 +268,7 @@ def test_convert_member_selection_and_fraction(small_nc, tmp_path):
 
 def test_convert_skips_single_step_year(small_nc, tmp_path):
     path, ds = small_nc
-    summary = convert_era5.convert(path, tmp_path, **dict(CONVERT_ARGS, valid_start="2020-01-01T06"))
+    summary = convert.convert(path, tmp_path, **dict(CONVERT_ARGS, valid_start="2020-01-01T06"))
     # the training split ends with 2020-01-01T00 alone in its year: no sample, so no file
     assert [p.name for p in layout.split_files(tmp_path, "train")] == [f"2019_m{m:02d}.h5" for m in range(3)]
     assert any("skipped train/2020_m00.h5" in n for n in summary["notes"])
@@ -280,7 +281,7 @@ def test_convert_alternative_names_without_members(tmp_path):
     ds = small_dataset(members=1).isel(number=0, drop=True).rename(
         time="valid_time", isobaricInhPa="pressure_level", latitude="lat", longitude="lon")
     path = write_nc(ds, tmp_path / "wb2.nc", engine="netcdf4", format="NETCDF3_CLASSIC")  # h5netcdf cannot read it
-    summary = convert_era5.convert(path, tmp_path / "out", ["z"], [500], valid_fraction=0.5, verbose=False)
+    summary = convert.convert(path, tmp_path / "out", ["z"], [500], valid_fraction=0.5, verbose=False)
     assert summary["channels"] == ["z500"] and summary["grid"] == (7, 10) and summary["members"] is None
     assert [p.name for p in layout.split_files(tmp_path / "out", "train")] == ["2019.h5"]  # 2020: 1 step
     got = read_fields(tmp_path / "out" / "valid" / "2020.h5")
@@ -292,8 +293,8 @@ def test_convert_extra_dimension(tmp_path):
     ds["t"] = ds["t"].expand_dims(expver=[1, 5]).copy()
     path = write_nc(ds, tmp_path / "expver.nc")
     with pytest.raises(LayoutError, match=r"unexpected dimension 'expver'.*--select expver="):
-        convert_era5.convert(path, tmp_path / "a", ["t"], [850], verbose=False)
-    summary = convert_era5.convert(path, tmp_path / "b", ["t"], [850], select={"expver": 1}, verbose=False)
+        convert.convert(path, tmp_path / "a", ["t"], [850], verbose=False)
+    summary = convert.convert(path, tmp_path / "b", ["t"], [850], select={"expver": 1}, verbose=False)
     assert summary["channels"] == ["t850"]
 
 
@@ -310,7 +311,7 @@ def test_convert_extra_dimension(tmp_path):
 def test_convert_errors(small_nc, tmp_path, kwargs, message):
     path, _ = small_nc
     with pytest.raises(LayoutError, match=message):
-        convert_era5.convert(path, tmp_path, verbose=False, **kwargs)
+        convert.convert(path, tmp_path, verbose=False, **kwargs)
     assert not layout.split_files(tmp_path, "train")  # validation happens before writing
 
 
@@ -321,13 +322,13 @@ def test_convert_nan_names_variable_and_cleans_up(tmp_path):
     ds["z"] = (ds["z"].dims, values)
     path = write_nc(ds, tmp_path / "nan.nc")
     with pytest.raises(LayoutError, match=r"variable 'z' \(channel z500\) has 1 NaN/Inf.*member 1"):
-        convert_era5.convert(path, tmp_path / "out", **CONVERT_ARGS)
+        convert.convert(path, tmp_path / "out", **CONVERT_ARGS)
     assert not layout.split_files(tmp_path / "out", "train")  # no half-written dataset left behind
 
 
 def test_convert_missing_input_and_cli(small_nc, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        convert_era5.convert(tmp_path / "nope.nc", tmp_path / "out", ["t"])
+        convert.convert(tmp_path / "nope.nc", tmp_path / "out", ["t"])
     path, _ = small_nc
     argv = ["--input", str(path), "--out", str(tmp_path / "cli"), "--variables", "t", "t2m", "--levels", "500",
             "--members", "1", "--trim_to_multiple", "2"]
@@ -356,7 +357,7 @@ def damaged_copy(ds, path: Path) -> Path:
 def test_convert_damaged_input_cleans_up(small_nc, tmp_path):
     path = damaged_copy(small_nc[1], tmp_path / "damaged.nc")
     with pytest.raises(LayoutError, match=r"cannot read variable 'z' at 2019-12-31T00:00:00 \.\. 2019-12-31T18:00:00 from .*damaged\.nc"):
-        convert_era5.convert(path, tmp_path / "out", **CONVERT_ARGS)
+        convert.convert(path, tmp_path / "out", **CONVERT_ARGS)
     assert not layout.split_files(tmp_path / "out", "train")
 
 
@@ -401,7 +402,7 @@ def cli_inputs(small_nc, tmp_path_factory) -> dict[str, Path]:
 def test_unreadable_input_message_is_one_line(cli_inputs):
     """xarray's message spans lines; the LayoutError's must not (API callers print it too)."""
     with pytest.raises(LayoutError, match=r"cannot read .*notes\.txt as netCDF \(ValueError: [^\n]*\Z"):
-        convert_era5.open_input(cli_inputs["file"])
+        formats.open_input(cli_inputs["file"])
 
 
 @pytest.mark.parametrize("tool,args,message", CLI_ERRORS, ids=[f"{t}:{m}" for t, _, m in CLI_ERRORS])
@@ -415,16 +416,16 @@ def test_cli_bad_input_is_one_error_line(cli_inputs, tmp_path, tool, args, messa
 
 
 def test_parse_select():
-    assert convert_era5.parse_select(["expver=1", "step=0"]) == {"expver": 1, "step": 0}
+    assert plan.parse_select(["expver=1", "step=0"]) == {"expver": 1, "step": 0}
     with pytest.raises(LayoutError, match="DIM=INDEX"):
-        convert_era5.parse_select(["expver"])
+        plan.parse_select(["expver"])
 
 
 # ---------------------------------------------------------------- the real ERA5 sample
 
 @pytest.mark.skipif(not REAL_SAMPLE.is_file(), reason=f"{REAL_SAMPLE} not present")
 def test_convert_real_sample(tmp_path):
-    summary = convert_era5.convert(REAL_SAMPLE, tmp_path, ["t", "z"], [850, 500], trim_to_multiple=4,
+    summary = convert.convert(REAL_SAMPLE, tmp_path, ["t", "z"], [850, 500], trim_to_multiple=4,
                                    verbose=False)
     assert summary["channels"] == ["t850", "t500", "z850", "z500"]
     assert summary["samples"] == {"train": 10, "valid": 10}

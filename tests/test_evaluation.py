@@ -531,12 +531,12 @@ def test_two_ranks_give_the_one_rank_scorecard(runs, evals):
 
 
 def test_default_batch_size_is_the_runs_local_batch(runs, tmp_path):
-    probe = ("import sys, utils.data_loader as dl\n"
+    probe = ("import sys, utils.data.loaders as dl\n"
              "def stop(cfg, split, batch_size, *a, **k):\n"
              "    print('BATCH', batch_size); sys.exit(0)\n"
              "dl.split_batches = stop\n"
-             "import evaluate\n"
-             f"evaluate.main(['--run_dir', {str(runs['one_step'])!r}, '--lead_steps', '1'])\n")
+             "from utils.evaluation.evaluate_run import main\n"
+             f"main(['--run_dir', {str(runs['one_step'])!r}, '--lead_steps', '1'])\n")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=subprocess_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

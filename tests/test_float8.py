@@ -160,7 +160,7 @@ def _fsdp_float8_against_one_process(rank: int, world_size: int, out: str) -> No
     """run_distributed target: for float8 all-gather on and off, the FSDP model's outputs equal the
     reference's before and after two training steps (with the step hook), the float8 gathers move
     fewer bytes, and (all-gather on) a sharded checkpoint and the full weights are written to ``out``."""
-    from distributed.checkpoint.manager import load_sharded, save_sharded
+    from distributed.checkpoint.sharded import load_sharded, save_sharded
     from distributed.world import init_distributed
     from utils.train.step import build_training_step
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import logging
 import pickle
 
 import pytest
@@ -103,7 +104,7 @@ def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
             enable(True)
 
 
-def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypatch):
+def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypatch, caplog):
     """Non-TTY progress lines print the loss already read back for the finiteness check; the steps with
     their progress lines run under CUDA sync-debug mode "error", which raises on any host sync (.item())."""
     from distributed.world import init_distributed
@@ -114,21 +115,26 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
                                                   "data_loader_config": "synthetic", "log_every": "1"})
     trainer = Trainer(cfg, init_distributed(cfg.parallel))
     batches = iter(trainer.data.train)
+    state = trainer.state
+    state.epoch_end = 10
     pending = trainer.train_step(batches)
-    trainer.state.step += 1
+    state.step = state.epoch_step = 1
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(3):
-            check = trainer.train_step(batches)
-            trainer._check_finite(pending)
-            pending = check
-            trainer.state.step += 1
-            trainer._progress_update(None, step, 3, 0)
+        with caplog.at_level(logging.INFO, logger="utils.monitor.reporter"):
+            for _ in range(3):
+                check = trainer.train_step(batches)
+                trainer._check_finite(pending)
+                pending = check
+                state.step += 1
+                state.epoch_step += 1
+                trainer.reporter.step_end(state)
     finally:
         torch.cuda.set_sync_debug_mode(0)
         trainer.close()
-    assert trainer.last_loss is not None and trainer.last_loss[0] == 2
+    assert trainer.last_loss()[0] == 3
+    assert [r.getMessage().split(" loss")[0] for r in caplog.records] == [f"epoch 1 step {s}/10" for s in (1, 2, 3)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -216,7 +222,7 @@ def profile(tmp_path, model, stacks: str = "python", steps: int = 3) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     finally:
-        profiler.close()
+        profiler.close(None)
     return json.loads((tmp_path / "rank0" / "summary.json").read_text())
 
 
@@ -282,7 +288,7 @@ def test_a_real_oom_gives_the_one_line_error_and_a_snapshot_that_loads(tmp_path)
         with pytest.raises(OutOfMemory) as caught, handler.phase("backward"):
             torch.empty(torch.cuda.get_device_properties(device).total_memory * 2, dtype=torch.uint8, device=device)
     finally:
-        handler.close()
+        handler.close(None)
     message = str(caught.value)
     assert message.startswith(f"rank 0 ran out of {device} memory in backward at local batch 8 trying to allocate")
     assert "GiB free of" in message and "oom_snapshot.pickle" in message and "\n" not in message

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dist_utils import run_distributed
-from distributed import host_staging
+from distributed.checkpoint import staging as host_staging
 from distributed.dense_shards import DenseShards
 from distributed.checkpoint.staging import HostStager
 

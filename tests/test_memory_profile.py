@@ -124,12 +124,12 @@ def test_window_writes_the_promised_files_on_cpu(tmp_path, caplog):
     cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=2,
                        memory_profile_depth=3)
     profiler = MemoryProfiler(cfg, tmp_path / "memory", cpu_world(), model, optimizer, B)
-    with caplog.at_level(logging.INFO, logger="utils.memory_profile"):
+    with caplog.at_level(logging.INFO, logger="utils.monitor.memory_profile"):
         for step in range(4):
             with profiler.step(0, step):
                 train_step(model, optimizer, micro_batches=2)
         profiler.end_epoch(0)
-    profiler.close()
+    profiler.close(None)
     summary, stats, table = read_rank_files(tmp_path / "memory" / "rank0")
     assert SUMMARY_KEYS | {"peak_rss_bytes"} <= summary.keys()
     assert not {"peak_allocated_bytes", "peak_reserved_bytes"} & summary.keys() and summary["files"]["snapshots"] == []
@@ -163,7 +163,7 @@ def test_epoch_end_closes_a_window_it_cut_short(tmp_path):
             with profiler.step(epoch, step):
                 train_step(model, optimizer)
         profiler.end_epoch(epoch)
-    profiler.close()
+    profiler.close(None)
     summary, stats, _ = read_rank_files(tmp_path / "rank0")
     assert [(w["epoch"], w["step"]) for w in summary["window"]] == [(1, 1), (1, 2)] and len(stats) == 2
 
@@ -196,15 +196,15 @@ def fsdp_window(rank: int, world_size: int, directory: str) -> None:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("utils.memory_profile").addHandler(handler)
-    logging.getLogger("utils.memory_profile").setLevel(logging.INFO)
+    logging.getLogger("utils.monitor.memory_profile").addHandler(handler)
+    logging.getLogger("utils.monitor.memory_profile").setLevel(logging.INFO)
     cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=1,
                        memory_profile_depth=3)
     profiler = MemoryProfiler(cfg, directory, world, model, optimizer, B)
     for step in range(2):
         with profiler.step(0, step):
             train_step(model, optimizer, micro_batches=2)
-    profiler.close()
+    profiler.close(None)
     summary, _, table = read_rank_files(Path(directory) / f"rank{rank}")
     local = sum(p.to_local().numel() for p in model.parameters()) * F32
     full = sum(p.numel() for p in model.parameters()) * F32

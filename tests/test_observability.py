@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
@@ -37,7 +38,7 @@ def _fragmentation_over_ranks(rank: int, world_size: int) -> None:
     for step in range(6):
         if step == 4 - 2 * rank:  # rank 1 retries first, after step 2
             retries["num_alloc_retries"] = 1
-        tracker.step_end(step)
+        tracker.note_step(step)
     report = tracker.end_epoch()
     assert report["first_retry_step"] == 2 and report["alloc_retries"] == 1
     assert report["peak_inactive_split"] == 0.5 and report["peak_inactive_split_rank"] == 1
@@ -67,11 +68,11 @@ def test_memory_report_is_the_maximum_over_ranks_with_its_rank():
 def test_profiler_window_starts_and_stops_at_the_configured_steps(monkeypatch, caplog):
     monkeypatch.setenv("ENABLE_PROFILING", "1")
     window = ProfilerWindow(epoch=1, start_step=2, steps=3, rank=0)
-    with caplog.at_level(logging.INFO, logger="utils.profiling"):
+    with caplog.at_level(logging.INFO, logger="utils.monitor.profiling"):
         for epoch in range(3):
             for step in range(8):
-                window.step(epoch, step)
-            window.close(epoch, 8)
+                window.step_start(SimpleNamespace(epoch=epoch, epoch_step=step))
+            window.epoch_end(SimpleNamespace(epoch=epoch + 1, epoch_step=0), {"epoch": epoch})
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert lines[0].startswith("rank 0: CUDA profiler start at epoch 1 step 2")

@@ -2,7 +2,7 @@
 under tensor parallelism.
 
 A ViT with 3 heads (split 2 + 1 over tp=2) and Adam trains a few steps and is checkpointed by
-``CheckpointManager`` in every layout: plain (one process), tp=2 with FSDP over dp=2 and tp=2 with
+``ShardedCheckpoints`` in every layout: plain (one process), tp=2 with FSDP over dp=2 and tp=2 with
 HSDP (4 ranks), tp=2 sync and async (2 ranks). Each checkpoint is loaded into other layouts (plain,
 tp=1, tp=2, tp=2 + FSDP/HSDP) and compared bitwise, in the dense layout, with the state at save time:
 the reference gathers every tp rank's slice of the parameters and Adam moments and reassembles them
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distributed.checkpoint.files import step_folder
-from distributed.checkpoint.manager import CheckpointManager
+from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.dense_shards import dense_blocks
 from distributed.launch import LaunchEnv
 from distributed.world import World
@@ -60,14 +60,14 @@ def make_model(seed: int, tp_group=None, tp: bool = True, fsdp_mesh=None) -> tor
 
 
 class Run:
-    """A model with Adam, a scheduler and a CheckpointManager over ``directory``."""
+    """A model with Adam, a scheduler and a ShardedCheckpoints over ``directory``."""
 
     def __init__(self, model, directory: Path, async_checkpoint: bool = False):
         rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.model = model
         self.optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0 / (1 + step))
-        self.manager = CheckpointManager(CheckpointConfig(async_checkpoint=async_checkpoint), Path(directory), model,
+        self.manager = ShardedCheckpoints(CheckpointConfig(async_checkpoint=async_checkpoint), Path(directory), model,
                                          self.optimizer, {"scheduler": self.scheduler},
                                          World(LaunchEnv(rank=rank, world_size=size), torch.device("cpu")))
         self.steps = 0

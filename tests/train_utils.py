@@ -45,7 +45,7 @@ def assert_state_close(a: dict, b: dict, atol: float = 1e-5) -> None:
 def checkpoint_round_trip(rank: int, world_size: int, data_path: str, expdir: str, overrides: dict) -> None:
     """run_distributed target: a sharded (DCP) and a full save reproduce the trained model's outputs."""
     from distributed.checkpoint.export import save_full_model
-    from distributed.checkpoint.manager import load_sharded, save_sharded
+    from distributed.checkpoint.sharded import load_sharded, save_sharded
     from networks.vit import build_model
 
     cfg = tiny_params(data_path, expdir, **overrides)

@@ -42,7 +42,7 @@ class ProfilerWindow(Component):
         enabled = os.environ.get("ENABLE_PROFILING", "0") == "1"
         all_ranks = os.environ.get("PROFILE_ALL_RANKS", "0") == "1"
         self.enabled = enabled and (all_ranks or rank == 0)
-        self.epoch, self.start, self.stop = epoch, start_step, start_step + steps
+        self.epoch, self.first, self.after = epoch, start_step, start_step + steps
         self.rank = rank
         self.running = False
 
@@ -51,15 +51,15 @@ class ProfilerWindow(Component):
         epoch, step = state.epoch, state.epoch_step
         if not self.enabled or epoch != self.epoch:
             return
-        if step == self.start and not self.running:
+        if step == self.first and not self.running:
             self._switch(True, epoch, step)
-        elif step == self.stop and self.running:
+        elif step == self.after and self.running:
             self._switch(False, epoch, step)
 
     def epoch_end(self, state, record: dict) -> None:
         """Stop a window still open at the end of its epoch."""
         if self.running:
-            self._switch(False, record["epoch"], self.stop)
+            self._switch(False, record["epoch"], self.after)
 
     def _switch(self, on: bool, epoch: int, step: int) -> None:
         cuda = torch.cuda.is_available()

@@ -75,14 +75,17 @@ class Reporter(Component):
         config_yaml: the resolved config as YAML, written as ``config.yaml``.
         metric_tags: the metrics the HParams tab shows.
         n_epochs: epochs of the whole run (the epoch line's ``epoch 3/40``).
-        current_loss: the loss of the step just made (read at each progress line).
+        last_loss: ``(iteration, loss)`` of the newest step whose loss was read back (one step late: the
+            progress line never waits for the GPU), or None.
     """
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path | None, key_channels: list[str], record: dict[str, Any],
-                 config_yaml: str, metric_tags: list[str], n_epochs: int, current_loss: Callable[[], float]):
+                 config_yaml: str, metric_tags: list[str], n_epochs: int,
+                 last_loss: Callable[[], tuple[int, float] | None]):
         self.cfg, self.run_dir, self.key_channels = cfg, run_dir, key_channels
         self.first_record, self.config_yaml, self.metric_tags = record, config_yaml, metric_tags
-        self.n_epochs, self.current_loss = n_epochs, current_loss
+        self.n_epochs, self.last_loss = n_epochs, last_loss
+        self.printed = 0  # the iteration of the last progress line
         self.writer = None
         self.bar = None
         self.record: dict[str, Any] = {}
@@ -137,11 +140,19 @@ class Reporter(Component):
                             dynamic_ncols=True)
 
     def step_end(self, state) -> None:
+        """The bar, or a progress line for each ``log_every``-th step of the epoch (and its last) once that
+        step's loss has been read back."""
         if self.bar is not None:
             self.bar.update(1)
-        elif self.run_dir is not None and (state.epoch_step % self.cfg.log_every == 0 or state.last_step_of_epoch):
-            log.info("epoch %d step %d/%d loss %.4f", state.epoch + 1, state.epoch_step, state.epoch_end,
-                     self.current_loss())
+            return
+        newest = self.last_loss() if self.run_dir is not None else None
+        if newest is None or newest[0] == self.printed:
+            return
+        iteration, loss = newest
+        step = state.epoch_step - (state.step - iteration)  # that iteration's step of this epoch
+        if step > 0 and (step % self.cfg.log_every == 0 or step == state.epoch_end):
+            log.info("epoch %d step %d/%d loss %.4f", state.epoch + 1, step, state.epoch_end, loss)
+            self.printed = iteration
 
     def epoch_end(self, state, record: dict[str, Any]) -> None:
         """Report one epoch: the figures, the console line, TensorBoard scalars and a ``metrics.jsonl`` line."""

@@ -106,6 +106,7 @@ class Trainer:
         self.oom = OutOfMemoryHandler(cfg.memory, self.run_dir / "memory", world.rank, self.device, self.local_bs)
         self._build_model()
         self.state = TrainState(data_parallel=world.dp, total_steps=cfg.optim.num_iters)
+        self.read_back: tuple[int, float] | None = None  # (iteration, loss) of the newest step read back
         self._build_components(run, recorded, extra)
 
     # ---------------------------------------------------------------- construction
@@ -153,7 +154,7 @@ class Trainer:
         self.reporter = Reporter(lg, self.run_dir if world.is_main else None, self.evaluator.key_channels,
                                  run_record(cfg.name, recorded.flat(), self._world_info()), to_yaml(recorded),
                                  self._metric_tags(), math.ceil(cfg.optim.num_iters / self.steps_per_epoch),
-                                 self.current_loss)
+                                 self.last_loss)
         self.checkpoint = CheckpointManager(cfg.checkpoint, self.run_dir / "checkpoints", self.model, self.optimizer,
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, world, settle=self.settle,
@@ -293,13 +294,9 @@ class Trainer:
             self._check_finite(self.pending)
             self.pending = None
 
-    def current_loss(self) -> float:
-        """The loss of the step just made (waits for it; the progress line's, every ``log_every`` steps)."""
-        if self.pending is None:
-            return math.nan
-        if self.pending["ready"] is not None:
-            self.pending["ready"].synchronize()
-        return self.pending["host"][2].item()
+    def last_loss(self) -> tuple[int, float] | None:
+        """``(iteration, loss)`` of the newest step read back (no synchronization: one step late)."""
+        return self.read_back
 
     def train_step(self, batches) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns tensors for the late check."""
@@ -345,7 +342,8 @@ class Trainer:
         """
         if check["ready"] is not None:
             check["ready"].synchronize()
-        flag, signum, _ = check["host"].tolist()
+        flag, signum, loss = check["host"].tolist()
+        self.read_back = (check["step"] + 1, loss)
         self.state.stop_signal = self.state.stop_signal or int(signum)
         if not flag:
             return
