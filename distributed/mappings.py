@@ -18,8 +18,8 @@ functional wrapper                                    forward                   
 ``reduce_scatter_to_sequence_parallel_region(...)``   ``y_r = chunk_r(sum_q x_q)``    ``dx = cat_r(dy_r)``
 ====================================================  ==============================  ===============================
 
-``chunk_r`` and ``cat_r`` use :func:`compute_split_shapes` (uneven: the first chunks are one
-larger) unless explicit ``shapes`` are given. The two "gather" mappings differ only in
+``chunk_r`` and ``cat_r`` use :func:`compute_split_shapes` (``torch.chunk``'s rule, as DTensor's ``Shard``)
+unless explicit ``shapes`` are given. The two "gather" mappings differ only in
 their backward: ``gather_from_parallel_region`` assumes the consumer of ``y`` is
 replicated (every rank holds the same ``dy``), while the sequence-parallel variant assumes
 each rank's consumer differs (e.g. rank ``q``'s queries attending to all keys), so the
@@ -67,11 +67,13 @@ _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def compute_split_shapes(size: int, num_chunks: int) -> list[int]:
-    """Sizes of ``num_chunks`` near-equal chunks of ``size`` elements, larger chunks first.
+    """Sizes of ``num_chunks`` chunks of ``size`` elements as ``torch.chunk`` cuts them, which is also how a
+    DTensor ``Shard`` placement splits a dimension: ``ceil(size / num_chunks)`` each, the last ones smaller or
+    empty.
 
-    ``compute_split_shapes(4050, 4) == [1013, 1013, 1012, 1012]``. Chunks may be empty
-    when ``size < num_chunks``. Every split in this package uses this rule, so a rank can
-    compute any peer's chunk without communication.
+    ``compute_split_shapes(4050, 4) == [1013, 1013, 1013, 1011]``; ``compute_split_shapes(5, 4) == [2, 2, 1, 0]``.
+    Every split of tokens (context parallel) and of heads and features (tensor parallel, whose parameters are
+    DTensors) follows this rule, so a rank can compute any peer's chunk without communication.
 
     Raises:
         ValueError: if ``num_chunks < 1`` or ``size < 0``.
@@ -80,8 +82,8 @@ def compute_split_shapes(size: int, num_chunks: int) -> list[int]:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
-    base, rem = divmod(size, num_chunks)
-    return [base + 1] * rem + [base] * (num_chunks - rem)
+    chunk = -(-size // num_chunks)
+    return [max(0, min(chunk, size - r * chunk)) for r in range(num_chunks)]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

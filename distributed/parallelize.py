@@ -2,14 +2,19 @@
 
 1. float8 linears in the blocks with ``--amp_mode fp8`` (``distributed/float8.py``), before anything
    wraps or shards them;
-2. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims;
+2. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims: every
+   parameter a DTensor on the ``tp`` mesh;
 3. activation checkpointing (full, every k-th block, or an op-level selective policy);
 4. ``torch.compile`` (per block under FSDP so FSDP's hooks stay outside compiled code);
-5. data parallel over ``dp``: FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3, HSDP) or DDP.
+5. data parallel: FSDP2 ``fully_shard`` (ZeRO-2, ZeRO-3, HSDP) or DDP over ``dp``. Under tensor or context
+   parallelism the data-parallel mesh also spans the ``cp`` ranks (``dp_cp``), reduced by FSDP or ``replicate``
+   (FSDP2's DDP, which takes DTensor parameters): each context-parallel rank's gradient covers its own tokens,
+   so the step multiplies the loss's gradient by ``cp`` (:func:`gradient_factor`) and the mean over ``dp x cp``
+   is the single-process gradient of the global batch.
 
-Also the hooks the training loop needs: gradient-sync suppression during accumulation,
-reduction of gradients of tensor/context-replicated parameters, and a GradScaler whose skipped
-steps agree over tensor/context-parallel peers (:func:`build_grad_scaler`).
+Also the hook the training loop needs: gradient-sync suppression during accumulation. Clipping, Adam and the
+GradScaler need no special case: they see DTensors (``torch.nn.utils.clip_grad_norm_`` reduces the norm over
+their meshes; the GradScaler's inf check over the DTensor's mesh).
 """
 
 from __future__ import annotations
@@ -19,16 +24,18 @@ import inspect
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from distributed.world import World
 from distributed.float8 import apply_float8
+from distributed.tensor_parallel import apply_tensor_context_parallel
+from distributed.world import World
 from kernels.cudnn_attention import packed_attention
 from utils.config.schema import ParallelConfig, PrecisionConfig
 
@@ -83,6 +90,24 @@ def apply_packed_attention(model: nn.Module) -> None:
         block.attn.attend = packed_attention
 
 
+def data_parallel_mesh(parallel: ParallelConfig, world: World):
+    """The mesh data parallelism reduces gradients over: ``dp``, or with tensor/context parallelism ``dp_cp``
+    (``hsdp``/``hsdp_cp``: 2D, replicate x shard)."""
+    hsdp = parallel.fsdp == "hsdp"
+    if world.model_parallel:
+        return world.meshes["hsdp_cp" if hsdp else "dp_cp"]
+    return world.meshes["hsdp" if hsdp else "dp"]
+
+
+def _fsdp_shard_dim(param: nn.Parameter):
+    """FSDP shards a tensor-parallel parameter along its largest dimension that tensor parallelism does not
+    split (the fused QKV weight ``(3, heads, head_dim, D)`` along ``D``), others along dim 0."""
+    placements = getattr(param, "placements", ())
+    taken = {p.dim for p in placements if isinstance(p, Shard)}
+    free = [d for d in range(param.dim()) if d not in taken]
+    return Shard(max(free, key=lambda d: param.shape[d])) if free and taken else Shard(0)
+
+
 def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world: World) -> None:
     """Shard with FSDP2 ``fully_shard``: each block, then the root (in place).
 
@@ -96,11 +121,8 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world:
     (``CPUOffloadPolicy``; the model must be materialized on the CPU). Parameters are gathered in the AMP
     dtype (bf16 for fp8), the float8 linears' weights in float8 where ``distributed/float8.py`` enables it.
     """
-    mesh = world.meshes["hsdp" if parallel.fsdp == "hsdp" else "dp"]
-    param_dtype = AMP_DTYPES[amp_mode]
-    reduce_dtype = torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else param_dtype
-    kwargs = dict(mesh=mesh, reshard_after_forward=parallel.fsdp != "zero2",
-                  mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    kwargs = dict(mesh=data_parallel_mesh(parallel, world), reshard_after_forward=parallel.fsdp != "zero2",
+                  mp_policy=mixed_precision(parallel, amp_mode), shard_placement_fn=_fsdp_shard_dim)
     if parallel.fsdp_cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = list(model.blocks)
@@ -114,9 +136,26 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world:
             block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
 
 
+def mixed_precision(parallel: ParallelConfig, amp_mode: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered in the AMP dtype (bf16 for fp8), gradients reduced in fp32 (or, with
+    ``fsdp_reduce_dtype param``, in the parameters' dtype)."""
+    param_dtype = AMP_DTYPES[amp_mode]
+    return MixedPrecisionPolicy(param_dtype=param_dtype,
+                                reduce_dtype=torch.float32 if parallel.fsdp_reduce_dtype == "fp32" else param_dtype)
+
+
+def gradient_factor(world: World) -> float:
+    """What the loss's gradient is multiplied by so that data parallelism yields the single-process gradient:
+    ``cp``. FSDP and ``replicate`` average over the ``dp x cp`` ranks of ``dp_cp``, while each context-parallel
+    rank's gradient is only its tokens' part of the sum (exact when ``cp`` is a power of two)."""
+    return float(world.cp)
+
+
 def uses_fsdp(parallel: ParallelConfig, world: World) -> bool:
-    """FSDP applies only with more than one data-parallel rank (one process trains unsharded)."""
-    return parallel.fsdp != "none" and world.dp > 1
+    """FSDP applies only with more than one data-parallel rank (one process trains unsharded); under
+    tensor/context parallelism, with more than one rank of ``dp x cp``."""
+    ranks = world.dp * (world.cp if world.model_parallel else 1)
+    return parallel.fsdp != "none" and ranks > 1
 
 
 def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
@@ -128,9 +167,10 @@ def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionCo
     the meta device and sharded first; only rank 0 builds the full weights, on the host, and
     ``set_model_state_dict(broadcast_from_rank0=True)`` sends each rank just its shards, so the
     full model never sits on one GPU. With ``fsdp_cpu_offload`` the shards are materialized on
-    the host, where FSDP's offload policy requires them.
+    the host, where FSDP's offload policy requires them. Under tensor/context parallelism each rank
+    builds the full model and keeps its shards.
     """
-    fsdp_only = uses_fsdp(parallel, world) and world.tp == world.cp == 1
+    fsdp_only = uses_fsdp(parallel, world) and not world.model_parallel
     if not fsdp_only:
         return parallelize_model(build().to(world.device), parallel, precision, world, grad_accum_steps)
     full = build().state_dict() if world.is_main else {}
@@ -148,9 +188,8 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
     fsdp = uses_fsdp(parallel, world)
     if precision.amp_mode == "fp8":
         apply_float8(model, precision, fsdp)
-    if world.tp > 1 or world.cp > 1:
-        from distributed.tensor_parallel import apply_tensor_context_parallel
-        apply_tensor_context_parallel(model, world.group("tp"), world.group("cp"))
+    if world.model_parallel:
+        apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"))
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
     apply_activation_checkpointing(model, precision.activation_checkpointing, precision.ac_every,
@@ -163,6 +202,9 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
             part.compile(mode=mode)
     if fsdp:
         apply_fsdp(model, parallel, precision.amp_mode, world)
+    elif world.model_parallel and world.dp * world.cp > 1:
+        replicate(model, mesh=data_parallel_mesh(parallel, world),
+                  mp_policy=mixed_precision(parallel, precision.amp_mode))
     elif world.dp > 1:
         model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
                     process_group=world.group("dp"), bucket_cap_mb=parallel.bucket_cap_mb,
@@ -202,72 +244,5 @@ def gradient_sync(model: nn.Module, sync: bool):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP (FSDP2 and compile modify modules in place)."""
+    """The plain model inside DDP (FSDP2, ``replicate`` and compile modify modules in place)."""
     return model.module if isinstance(model, DDP) else model
-
-
-def is_tensor_context_parallel(model: nn.Module) -> bool:
-    return getattr(unwrap(model), "_tensor_context_parallel", False)
-
-
-def reduce_replicated_gradients(model: nn.Module) -> None:
-    """Sum gradients of parameters replicated over context-parallel peers (call after the last
-    backward of a step, before clipping); nothing to do without tensor/context parallelism."""
-    if is_tensor_context_parallel(model):
-        from distributed.layers import reduce_replicated_gradients as reduce_tp
-        reduce_tp(unwrap(model))
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm of the full (unsharded) model, whatever the parallelism.
-
-    Tensor-parallel shards are plain tensors, so their norm is reduced over the tp group
-    (``distributed.tensor_parallel.clip_grad_norm_``); FSDP's DTensor gradients are handled by
-    ``torch.nn.utils.clip_grad_norm_``.
-    """
-    if is_tensor_context_parallel(model):
-        from distributed.tensor_parallel import clip_grad_norm_
-        return clip_grad_norm_(unwrap(model), max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-
-class ModelParallelGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose inf/NaN check covers the whole model across tensor/context-parallel
-    peers.
-
-    Each tp rank checks only its own slices of the gradients, so an overflow in one rank's slice
-    would skip the step there and not on its peers, and the replicas (and their loss scales) would
-    part. After the check (``unscale_``, or the check a fused optimizer's ``step`` makes) the found-inf
-    flags are all-reduced (max) over ``groups``, so every peer skips the same steps and keeps the same
-    scale. FSDP's DTensor gradients already agree over dp (DTensor reduces the flag over its mesh),
-    and DDP's gradients are equal there.
-
-    Args:
-        device: device type of the gradients (``"cuda"``, ``"cpu"``).
-        groups: process groups to agree over (the tp and cp groups); None entries are skipped.
-        **kwargs: ``torch.amp.GradScaler``'s (``init_scale``, ``growth_interval``, ...).
-    """
-
-    def __init__(self, device: str, groups, **kwargs):
-        super().__init__(device, **kwargs)
-        self.groups = [g for g in groups if g is not None]
-
-    # the one funnel of both unscale_ and _check_inf_per_device (fused optimizers), as torch's own
-    # ShardedGradScaler overrides it
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        # a rank without gradients still joins the reduction, so no peer waits for it
-        for flag in list(per_device.values()) or [found_inf]:
-            for group in self.groups:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return per_device
-
-
-def build_grad_scaler(device_type: str, enabled: bool, world: World) -> torch.amp.GradScaler:
-    """The GradScaler of an fp16 run (``enabled``; a disabled one is a no-op): a
-    :class:`ModelParallelGradScaler` over the tp and cp groups under tensor/context parallelism,
-    else torch's."""
-    groups = [world.group("tp"), world.group("cp")]
-    if enabled and any(g is not None for g in groups):
-        return ModelParallelGradScaler(device_type, groups)
-    return torch.amp.GradScaler(device_type, enabled=enabled)

@@ -60,6 +60,12 @@ class World:
     def is_main(self) -> bool:
         return self.env.rank == 0
 
+    @property
+    def model_parallel(self) -> bool:
+        """Whether tensor or context parallelism splits the model (its parameters are then DTensors on the ``tp``
+        mesh, or for context parallelism alone plain tensors whose gradients are partial per ``cp`` rank)."""
+        return self.tp > 1 or self.cp > 1
+
     def note_step(self, step: int) -> None:
         """Tell the failure watchdog the iteration this rank is at (its heartbeats and the line naming
         a stuck rank carry it); a no-op for one process."""
@@ -84,8 +90,14 @@ def hsdp_split(dp: int, shard: int) -> tuple[int, int]:
 
 def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str,
                  hsdp_shard: int) -> dict[str, DeviceMesh]:
-    """One device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order``; returns its
-    ``dp`` (flattened replicate x shard), ``cp``, ``tp`` and ``hsdp`` (2D) sub-meshes."""
+    """One device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order``; returns its sub-meshes:
+    ``dp`` (flattened replicate x shard), ``cp``, ``tp``, ``hsdp`` (2D replicate x shard), and for data
+    parallelism under tensor/context parallelism ``dp_cp`` (flattened replicate x shard x cp) and ``hsdp_cp``
+    (2D replicate x (shard x cp)).
+
+    Raises:
+        UserError: HSDP with context parallelism where ``order`` does not keep ``cp`` next to ``dp``.
+    """
     dp = world_size // (tp * cp)
     rep, shard = hsdp_split(dp, hsdp_shard) if hsdp_shard else (1, dp)
     sizes = {"tp": tp, "cp": cp, "dp_replicate": rep, "dp_shard": shard}
@@ -94,7 +106,16 @@ def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str
         dims += ["dp_replicate", "dp_shard"] if name == "dp" else [name]
     mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
     hsdp = mesh[("dp_replicate", "dp_shard")]
-    return {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
+    meshes = {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
+    meshes["dp_cp"] = mesh[tuple(d for d in dims if d != "tp")]._flatten("dp_cp")
+    mesh[tuple(d for d in dims if d in ("dp_shard", "cp"))]._flatten("dp_shard_cp")
+    try:
+        meshes["hsdp_cp"] = mesh[("dp_replicate", "dp_shard_cp")]
+    except (RuntimeError, KeyError, ValueError):  # the order puts something between them: HSDP cannot use cp
+        if hsdp_shard and cp > 1:
+            raise UserError(f"--fsdp hsdp with context parallelism needs cp next to dp in --parallel_order, got "
+                            f"{order}; use tp-cp-dp or cp-dp-tp") from None
+    return meshes
 
 
 def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> World:

@@ -2,7 +2,8 @@
 
 Plain PyTorch: no distributed code lives here. Parallelism (DDP, FSDP, tensor and
 context parallel) is applied from ``distributed/`` by swapping or wrapping the
-submodules defined below, so their names and layouts are part of the contract:
+submodules defined below and by replacing the documented hooks (``Attention.attend``,
+``VisionTransformer.embed`` and ``unpatchify``), so their names and layouts are part of the contract:
 
 * ``patch_embed.proj``: ``nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)``
 * ``pos_embed``: learned ``(1, num_patches, embed_dim)``
@@ -176,15 +177,27 @@ class VisionTransformer(nn.Module):
                 nn.init.uniform_(m.weight, -bound, bound)
                 nn.init.uniform_(m.bias, -bound, bound)
 
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, H, W)`` -> tokens with their position embedding ``(B, N, D)``.
+
+        An instance attribute of the same name replaces it (context parallelism installs one that embeds
+        only this rank's tokens, ``distributed/tensor_parallel.py``).
+        """
+        return self.patch_embed(x) + self.pos_embed
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> normalized tokens ``(B, N, D)``."""
-        x = self.patch_embed(x) + self.pos_embed
+        x = self.embed(x)
         for blk in self.blocks:
             x = blk(x)
         return self.norm(x)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """Head output ``(B, N, C_out * p * p)`` -> ``(B, C_out, H, W)``."""
+        """Head output ``(B, N, C_out * p * p)`` -> ``(B, C_out, H, W)``.
+
+        An instance attribute of the same name replaces it (context parallelism installs one that first
+        gathers every rank's tokens).
+        """
         b = x.shape[0]
         gh, gw = self.patch_embed.grid
         p = self.patch_size

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from distributed.checkpoint.files import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
                                           save_file, step_folder, step_folders)
+from distributed.tensor_parallel import checkpoint_views
 from networks.vit import build_model
 from utils.config.loading import load_run_config
 from utils.config.schema import Config
@@ -30,12 +31,12 @@ FINAL_MODEL = "model.pt"  # the trainer's single-file model at the end of a run
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU state dict with the plain model's keys; collective: call on every rank."""
-    from distributed.parallelize import is_tensor_context_parallel, unwrap
-    if is_tensor_context_parallel(model):
-        from distributed.tensor_parallel import full_state_dict
-        return full_state_dict(unwrap(model))
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The full (unsharded) CPU state dict in the plain model's names and shapes, on rank 0 (other ranks get an
+    empty dict); collective: call on every rank. DTensors (FSDP, tensor parallel) are gathered by
+    ``get_model_state_dict``; parameters held with head axes are reshaped to their plain shape."""
+    views = checkpoint_views(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.reshape(views[k]) if k in views else v for k, v in state.items()}
 
 
 def save_full_model(model: nn.Module, path: str | Path, extra: dict | None = None) -> None:

@@ -3,10 +3,10 @@ they are written is the :class:`~distributed.checkpoint.manager.CheckpointManage
 
 Model, optimizer and the trainer's other ``state_dict`` objects are written with
 ``torch.distributed.checkpoint`` (DCP), so every rank writes and reads only its own shards and a
-checkpoint loads on any number of ranks (DCP reshards). Tensor-parallel slices are written as blocks
-of the dense tensors (``distributed/dense_shards.py``), so a checkpoint holds the single-GPU layout
-and loads under any tensor/context/data parallelism, FSDP or none, or into the plain model. The folder
-layout: ``distributed/checkpoint/files.py``.
+checkpoint loads on any number of ranks (DCP reshards). Tensor-parallel parameters held with head axes
+are written in the plain shape (``distributed/checkpoint/views.py``), so a checkpoint holds the single-GPU
+layout and loads under any tensor/context/data parallelism, FSDP or none, or into the plain model. The
+folder layout: ``distributed/checkpoint/files.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from distributed.checkpoint.files import (DISK_FIX, LATEST, describe_exception, 
                                           step_folders, is_complete, write_failed)
 from distributed.checkpoint.staging import HostStager
 from distributed.checkpoint.storage import WRITE_THREADS, CheckedWriter
-from distributed.dense_shards import DenseLoadPlanner, DenseSavePlanner, dense_view, plain_view
+from distributed.checkpoint.views import ViewLoadPlanner, ViewSavePlanner
+from distributed.tensor_parallel import checkpoint_views
 from distributed.world import World, main_decides
 from utils.config.schema import CheckpointConfig
 from utils.core.errors import UserError
@@ -43,8 +44,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}``: this rank's shards under the plain model's parameter names
-    (the same for plain, DDP, FSDP2, compiled and tensor/context-parallel models); tensor-parallel
-    slices are still plain tensors here (:func:`dense_view` makes them DCP shards)."""
+    (the same for plain, DDP, FSDP2, compiled and tensor/context-parallel models)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
@@ -55,19 +55,19 @@ def _set_model_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
     """Write model and optimizer shards as one DCP checkpoint in ``directory`` itself, without the
-    steps and ``latest`` of :class:`CheckpointManager` (collective).
+    steps and ``latest`` of :class:`ShardedCheckpoints` (collective).
     """
-    dcp.save(dense_view(model, _model_state(model, optimizer)), checkpoint_id=str(directory),
-             planner=DenseSavePlanner())
+    dcp.save(_model_state(model, optimizer), checkpoint_id=str(directory),
+             planner=ViewSavePlanner(checkpoint_views(model)))
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path) -> None:
     """Load a checkpoint written by :func:`save_sharded`, resharded to this model's parallelism
     (collective).
     """
-    view = dense_view(model, _model_state(model, optimizer))
-    dcp.load(view, checkpoint_id=str(directory), planner=DenseLoadPlanner())
-    _set_model_state(model, optimizer, plain_view(view))
+    state = _model_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(directory), planner=ViewLoadPlanner(checkpoint_views(model)))
+    _set_model_state(model, optimizer, state)
 
 
 class ShardedCheckpoints:
@@ -103,6 +103,7 @@ class ShardedCheckpoints:
         self._stager = HostStager(world.device)  # the host copy of the saved state, reused
         self._prepared = False  # prepare() has started the stager's allocation
         self._current: Path | None = None  # the checkpoint holding the objects' state as saved or loaded
+        self._views = checkpoint_views(model)  # parameters held in another shape than the plain model's
 
     # ---- public
     def latest(self) -> Path | None:
@@ -129,15 +130,15 @@ class ShardedCheckpoints:
         self._raise_any(self._make_folder(folder) if self.world.is_main else None)
         if self.per_rank:
             self._raise_any(self._write_per_rank(folder), folder)
-        state = dense_view(self.model, self._state())
+        state = self._state()
         try:
             if self.cfg.async_checkpoint:  # async_save returns once the state is copied to host memory
-                self._pending = dcp.async_save(state, storage_writer=self._writer(folder), planner=DenseSavePlanner(),
+                self._pending = dcp.async_save(state, storage_writer=self._writer(folder), planner=self._save_planner(),
                                                process_group=self._async_group(), async_stager=self._stager), folder
                 return
             # on GPUs, one copy to host memory at full bandwidth; the writer threads then only do I/O
             staged = self._stager.stage(state) if self._stager.pin else state
-            dcp.save(staged, storage_writer=self._writer(folder), planner=DenseSavePlanner())
+            dcp.save(staged, storage_writer=self._writer(folder), planner=self._save_planner())
         except (Exception, CheckpointException) as exc:
             self._save_failed(folder, exc)
         self._commit(folder)
@@ -151,7 +152,7 @@ class ShardedCheckpoints:
         if self._prepared or not self.cfg.save_checkpoint or not (self.cfg.async_checkpoint or self._stager.pin):
             return
         self._prepared = True
-        self._stager.prepare(dense_view(self.model, self._state()))
+        self._stager.prepare(self._state())
 
     def wait(self) -> None:
         """Finish the pending async save and commit it; nothing to do without one (collective: every
@@ -215,6 +216,9 @@ class ShardedCheckpoints:
                 dist.destroy_process_group(self._group)
                 self._group = None
             self._stager.close()
+
+    def _save_planner(self) -> ViewSavePlanner:
+        return ViewSavePlanner(self._views)
 
     @staticmethod
     def _writer(folder: Path) -> dcp.FileSystemWriter:
@@ -326,16 +330,16 @@ class ShardedCheckpoints:
 
     def _read(self, folder: Path) -> tuple[tuple[dict, dict | None] | None, str | None]:
         """Read ``folder`` into fresh state dicts, DCP loading model and optimizer shards in place
-        (tensor-parallel slices from their blocks of the dense tensors).
+        (tensor-parallel parameters from their plain shape).
 
         Returns ``((state, per_rank), None)``, ``per_rank`` None when this rank has no file, or
         ``(None, error message)``. Only the model's and optimizer's tensors change (in place), and
         whichever checkpoint finally loads overwrites all of them.
         """
-        view = dense_view(self.model, self._state())
+        state = self._state()
         try:
-            dcp.load(view, checkpoint_id=folder, planner=DenseLoadPlanner())
-            return (plain_view(view), self._read_per_rank(folder)), None
+            dcp.load(state, checkpoint_id=folder, planner=ViewLoadPlanner(self._views))
+            return (state, self._read_per_rank(folder)), None
         except (Exception, CheckpointException) as exc:
             return None, describe_exception(exc)
 

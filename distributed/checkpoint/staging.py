@@ -18,10 +18,9 @@ pages first and then registering them (1.3 s, 0.03 s of stall). It follows DCP's
 
 What :meth:`HostStager.stage` returns for each kind of value in the state:
 
-* a ``DTensor`` (FSDP2 and HSDP shards): a :class:`~distributed.dense_shards.DenseShards` with this
-  rank's local shard as one block at its global offset, which DCP writes exactly as it writes the
-  DTensor (same chunks, same metadata, replicas deduplicated the same way);
-* a :class:`~distributed.dense_shards.DenseShards` (tensor-parallel slices): the same blocks, copied;
+* a ``DTensor`` (FSDP2 and HSDP shards, tensor-parallel parameters): a DTensor of the same global shape,
+  mesh and placements whose local shard is the host copy, which DCP writes exactly as it writes the
+  original (same chunks, same metadata, replicas deduplicated the same way);
 * a plain tensor: its copy;
 * anything else (numbers, strings, RNG states): the same object, as DCP's own stagers keep it.
 """
@@ -36,9 +35,6 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-from distributed.dense_shards import DenseShards
 
 __all__ = ["HostStager", "register_pinned_memory"]
 
@@ -86,23 +82,19 @@ def _host_buffers(specs: list[Spec], pin: bool) -> tuple[list[torch.Tensor], lis
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
-    """The tensors a stage copies, in a fixed order: local shards of DTensors, blocks of
-    DenseShards, plain tensors (nested dicts, lists and tuples are walked)."""
+    """The tensors a stage copies, in a fixed order: local shards of DTensors, plain tensors (nested dicts,
+    lists and tuples are walked)."""
     out: list[torch.Tensor] = []
     _map(tree, lambda t: out.append(t) or t)
     return out
 
 
 def _map(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` with each tensor :func:`_leaves` finds replaced by ``fn(tensor)``; a DTensor becomes
-    a one-block DenseShards, a DenseShards a new one."""
+    """``tree`` with each tensor :func:`_leaves` finds replaced by ``fn(tensor)``; a DTensor's local shard is
+    replaced, its global shape, mesh and placements kept."""
     if isinstance(tree, DTensor):
-        sizes, offsets = compute_local_shape_and_global_offset(tree.shape, tree.device_mesh, tree.placements)
-        local = tree.to_local()
-        blocks = [(tuple(offsets), fn(local))] if 0 not in sizes else []
-        return DenseShards(tree.shape, tree.dtype, blocks)
-    if isinstance(tree, DenseShards):
-        return DenseShards(tree.size(), tree.dtype, [(off, fn(t)) for off, t in tree.blocks])
+        return DTensor.from_local(fn(tree.to_local()), tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, dict):

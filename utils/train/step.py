@@ -16,16 +16,15 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from distributed.world import World
 from distributed.float8 import float8_step_hook
-from distributed.parallelize import (AMP_DTYPES, build_grad_scaler, build_parallel_model, clip_grad_norm,
-                                     gradient_sync, reduce_replicated_gradients, uses_fsdp)
+from distributed.parallelize import AMP_DTYPES, build_parallel_model, gradient_factor, gradient_sync, uses_fsdp
+from distributed.world import World
 from kernels.cudnn_attention import packed_attention
 from networks.vit import build_model
+from utils.config.schema import Config, OptimConfig
+from utils.core.errors import UserError
 from utils.evaluation.metrics import relative_l2_loss
 from utils.monitor.profiling import nvtx_range
-from utils.core.errors import UserError
-from utils.config.schema import Config, OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +87,14 @@ class TrainingStep:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: object  # torch.amp.GradScaler or a disabled stand-in (distributed/parallelize.py)
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     amp_dtype: torch.dtype | None
     device: torch.device
     accum: int
     max_grad_norm: float
     after_step: Callable[[], None] | None = None
+    grad_factor: float = 1.0  # the loss's gradient is multiplied by it (context parallelism: cp)
 
     def autocast(self) -> ContextManager:
         """Autocast to ``amp_dtype`` on this device, or nothing without AMP."""
@@ -122,19 +122,18 @@ class TrainingStep:
                     # training samples have one target (k = 1): tar[:, 0] is the next state, contiguous
                     loss = self.loss_fn(self.model(inp), tar[:, 0]) / self.accum
                 with nvtx_range("backward"), phase("backward"):
-                    self.scaler.scale(loss).backward()
+                    self.scaler.scale(loss * self.grad_factor if self.grad_factor != 1 else loss).backward()
             loss_total += loss.detach()
         with nvtx_range("optimizer"), phase("optimizer step"):
             self.optimizer_step()
         return loss_total, indices
 
     def optimizer_step(self) -> None:
-        """Reduce replicated gradients (TP/CP), unscale and clip, step Adam, the GradScaler and the schedule,
-        then ``after_step``."""
-        reduce_replicated_gradients(self.model)
+        """Unscale and clip (the global norm over every parameter, DTensor shards included), step Adam, the
+        GradScaler and the schedule, then ``after_step``."""
         if self.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
-            clip_grad_norm(self.model, self.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -167,6 +166,6 @@ def build_training_step(cfg: Config, world: World) -> TrainingStep:
     # step at short_opt); compiled, they fuse into a few kernels.
     loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
     return TrainingStep(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt)),
-                        build_grad_scaler(world.device.type, prec.amp_mode == "fp16", world), loss_fn,
+                        torch.amp.GradScaler(world.device.type, enabled=prec.amp_mode == "fp16"), loss_fn,
                         AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
-                        float8_step_hook(model, prec, uses_fsdp(cfg.parallel, world)))
+                        float8_step_hook(model, prec, uses_fsdp(cfg.parallel, world)), gradient_factor(world))
