@@ -59,6 +59,17 @@ def tp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     return None if mesh is None else mesh.get_group()
 
 
+class Groups:
+    """A layer's TP mesh and group and CP group. Process groups cannot be deep-copied, so layers keep them
+    behind this holder, whose copies are itself: ``copy.deepcopy(model)`` (an EMA model, say) shares them."""
+
+    def __init__(self, tp_mesh: DeviceMesh | None, cp_group: dist.ProcessGroup | None):
+        self.tp_mesh, self.tp, self.cp = tp_mesh, tp_group(tp_mesh), cp_group
+
+    def __deepcopy__(self, memo) -> Groups:
+        return self
+
+
 class DistributedMatmul(nn.Module):
     """Tensor-parallel ``y = x W^T + b`` of a dense ``nn.Linear`` ``W`` ``(out_features, in_features)``.
 
@@ -96,7 +107,7 @@ class DistributedMatmul(nn.Module):
             raise ValueError("gather_output needs a column-parallel layer with groups=1, unit_size=1")
         if not input_is_parallel and (parallel != "row" or not plain):
             raise ValueError("input_is_parallel=False needs a row-parallel layer with groups=1, unit_size=1")
-        self.tp_mesh, self.cp_group, self.tp_group = tp_mesh, cp_group, tp_group(tp_mesh)
+        self.groups = Groups(tp_mesh, cp_group)
         self.in_features, self.out_features, self.parallel = in_features, out_features, parallel
         self.gather_output, self.input_is_parallel = gather_output, input_is_parallel
         units = split // (groups * unit_size)
@@ -109,15 +120,16 @@ class DistributedMatmul(nn.Module):
             shape = (units, unit_size) if unit_size > 1 else (in_features,)
             self.weight = self._param("weight", weight, (out_features, *shape), Shard(1))
             self.bias = None if bias is None else parallel_param(bias, tp_mesh, Replicate())
-        self.out_shapes = compute_split_shapes(out_features, group_size(self.tp_group))
+        self.out_shapes = compute_split_shapes(out_features, group_size(self.groups.tp))
 
     def _param(self, name: str, dense: torch.Tensor, shape: Sequence[int], placement: Placement) -> nn.Parameter:
         """``dense`` held in ``shape`` (its unit axes) and sharded by ``placement``; without a mesh, as it is."""
-        if self.tp_mesh is None:
+        mesh = self.groups.tp_mesh
+        if mesh is None:
             return parallel_param(dense, None, placement)
         if tuple(shape) != tuple(dense.shape):
             self.plain_shapes[name] = dense.shape
-        return parallel_param(dense.reshape(shape), self.tp_mesh, placement)
+        return parallel_param(dense.reshape(shape), mesh, placement)
 
     @classmethod
     def from_dense(cls, module: nn.Linear, tp_mesh: DeviceMesh | None, cp_group: dist.ProcessGroup | None = None,
@@ -131,11 +143,11 @@ class DistributedMatmul(nn.Module):
         weight = local_tensor(self.weight)
         if self.parallel == "column":
             bias = None if self.bias is None else local_tensor(self.bias).reshape(-1)
-            y = F.linear(copy_to_parallel_region(x, self.tp_group), weight.reshape(-1, self.in_features), bias)
-            return gather_from_parallel_region(y, -1, self.out_shapes, self.tp_group) if self.gather_output else y
+            y = F.linear(copy_to_parallel_region(x, self.groups.tp), weight.reshape(-1, self.in_features), bias)
+            return gather_from_parallel_region(y, -1, self.out_shapes, self.groups.tp) if self.gather_output else y
         if not self.input_is_parallel:
-            x = scatter_to_parallel_region(x, -1, self.tp_group)
-        y = reduce_from_parallel_region(F.linear(x, weight.reshape(self.out_features, -1)), self.tp_group)
+            x = scatter_to_parallel_region(x, -1, self.groups.tp)
+        y = reduce_from_parallel_region(F.linear(x, weight.reshape(self.out_features, -1)), self.groups.tp)
         return y if self.bias is None else y + local_tensor(self.bias)
 
     def extra_repr(self) -> str:
@@ -196,7 +208,8 @@ class DistributedAttention(nn.Module):
         tp = group_size(tp_group(tp_mesh))
         if module.num_heads < tp:
             raise ValueError(f"{module.num_heads} heads cannot be split over {tp} TP ranks")
-        self.cp_group, self.num_heads, self.head_dim, self.seq_len = cp_group, module.num_heads, module.head_dim, seq_len
+        self.groups = Groups(tp_mesh, cp_group)
+        self.num_heads, self.head_dim, self.seq_len = module.num_heads, module.head_dim, seq_len
         self.qkv = DistributedMatmul.from_dense(module.qkv, tp_mesh, cp_group, parallel="column", groups=3,
                                                 unit_size=self.head_dim)
         self.proj = DistributedMatmul.from_dense(module.proj, tp_mesh, cp_group, parallel="row",
@@ -204,7 +217,7 @@ class DistributedAttention(nn.Module):
         self.local_heads = local_tensor(self.qkv.weight).shape[1] if tp_mesh is not None else self.num_heads
 
     def _seq_shapes(self, n_local: int, device: torch.device) -> list[int]:
-        cp = self.cp_group
+        cp = self.groups.cp
         if self.seq_len is not None:
             shapes = compute_split_shapes(self.seq_len, group_size(cp))
             if shapes[group_rank(cp)] != n_local:
@@ -217,9 +230,9 @@ class DistributedAttention(nn.Module):
         b, n, _ = x.shape
         qkv = self.qkv(x).view(b, n, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, kv = qkv[0], qkv[1:]
-        if group_size(self.cp_group) > 1:
+        if group_size(self.groups.cp) > 1:
             # one collective for K and V: (2, B, h, n_r, d) -> (2, B, h, N, d)
-            kv = gather_from_sequence_parallel_region(kv, 3, self._seq_shapes(n, x.device), self.cp_group)
+            kv = gather_from_sequence_parallel_region(kv, 3, self._seq_shapes(n, x.device), self.groups.cp)
         out = F.scaled_dot_product_attention(q, kv[0], kv[1])
         return self.proj(out.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim))
 

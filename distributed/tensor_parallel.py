@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from distributed.layers import (DistributedAttention, DistributedLayerNorm, DistributedMLP, DistributedPatchEmbed,
-                                ReplicatedLinear, parallel_param, tp_group)
+                                Groups, ReplicatedLinear, parallel_param, tp_group)
 from distributed.mappings import gather_from_parallel_region, group_size
 from distributed.world import local_tensor
 from networks.vit import Attention, VisionTransformer
@@ -78,7 +78,7 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
         blk.mlp = DistributedMLP(blk.mlp, tp_mesh, cp_group)
     model.norm = DistributedLayerNorm(model.norm, tp_mesh)
     model.head = ReplicatedLinear(model.head, tp_mesh)
-    model.cp_group = cp_group
+    model.parallel_groups = Groups(tp_mesh, cp_group)
     model.embed = types.MethodType(_embed_local_tokens, model)
     model.unpatchify = types.MethodType(_gather_then_unpatchify, model)
     return model
@@ -92,7 +92,7 @@ def _embed_local_tokens(model: VisionTransformer, x: torch.Tensor) -> torch.Tens
 
 def _gather_then_unpatchify(model: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
     """``unpatchify`` under CP: every rank's head outputs all-gathered, then the image."""
-    x = gather_from_parallel_region(x, 1, model.patch_embed.seq_shapes, model.cp_group)
+    x = gather_from_parallel_region(x, 1, model.patch_embed.seq_shapes, model.parallel_groups.cp)
     return VisionTransformer.unpatchify(model, x)
 
 

@@ -1,16 +1,16 @@
-"""The checkpoint's host copy (distributed/host_staging.py): independent copies, buffers allocated once
-(in the background when prepared) and reused, DTensor shards as DCP blocks at their offsets, and an
-allocation failure reported at the save that needs it."""
+"""The checkpoint's host copy (distributed/checkpoint/staging.py): independent copies, buffers allocated once
+(in the background when prepared) and reused, DTensors staged as DTensors of the same layout (host shards),
+and an allocation failure reported at the save that needs it."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dist_utils import run_distributed
 from distributed.checkpoint import staging as host_staging
-from distributed.dense_shards import DenseShards
 from distributed.checkpoint.staging import HostStager
 
 
@@ -18,7 +18,6 @@ def state() -> dict:
     return {"model": {"w": torch.randn(4, 3), "b": torch.randn(3)},
             "optim": {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.randn(4, 3)}},
                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w", "b"]}]},
-            "dense": DenseShards(torch.Size([8]), torch.float32, [((2,), torch.arange(10.0)[3:6])]),
             "train_state": {"step": 7}}
 
 
@@ -32,8 +31,6 @@ def test_stage_copies_every_tensor_and_keeps_other_values():
     assert torch.equal(moments["exp_avg"], src["optim"]["state"]["w"]["exp_avg"]) and moments["step"].item() == 2.0
     assert staged["optim"]["param_groups"] == src["optim"]["param_groups"]
     assert staged["train_state"] == {"step": 7}
-    (offsets, block), = staged["dense"].blocks
-    assert offsets == (2,) and staged["dense"].size() == torch.Size([8]) and torch.equal(block, torch.arange(3.0, 6.0))
     src["model"]["w"].add_(1)  # training goes on: the staged copy must not change
     assert not torch.equal(src["model"]["w"], staged["model"]["w"])
 
@@ -84,16 +81,20 @@ def test_a_failed_allocation_fails_the_save_and_the_next_one_retries(monkeypatch
     assert torch.equal(stager.stage(src)["model"]["b"], src["model"]["b"])
 
 
-def dtensor_blocks(rank: int, world_size: int) -> None:
+def dtensor_shards(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     full = torch.arange(15.0).reshape(5, 3)  # 5 rows over 2 ranks: 3 + 2, uneven like FSDP2's
-    shards = HostStager(torch.device("cpu")).stage({"w": distribute_tensor(full, mesh, [Shard(0)])})["w"]
-    assert isinstance(shards, DenseShards) and shards.size() == full.shape
-    (offsets, block), = shards.blocks
+    original = distribute_tensor(full, mesh, [Shard(0)])
+    staged = HostStager(torch.device("cpu")).stage({"w": original})["w"]
+    assert isinstance(staged, DTensor) and staged.shape == full.shape and staged.placements == original.placements
     rows = (0, 3) if rank == 0 else (3, 5)
-    assert offsets == (rows[0], 0) and torch.equal(block, full[rows[0]:rows[1]])
+    assert torch.equal(staged.to_local(), full[rows[0]:rows[1]])
+    assert staged.to_local().data_ptr() != original.to_local().data_ptr()
+    # DCP writes the staged DTensor where it writes the original: the same local box
+    boxes = [compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements) for t in (staged, original)]
+    assert boxes[0] == boxes[1] == ((rows[1] - rows[0], 3), (rows[0], 0))
     dist.barrier()
 
 
-def test_dtensor_shards_become_blocks_at_their_global_offsets():
-    run_distributed(dtensor_blocks, 2)
+def test_dtensor_shards_are_staged_as_dtensors_of_the_same_layout():
+    run_distributed(dtensor_shards, 2)

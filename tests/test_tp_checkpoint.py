@@ -1,14 +1,15 @@
-"""Tensor-parallel checkpoints in the dense layout (``distributed/dense_shards.py``) and the GradScaler
-under tensor parallelism.
+"""Tensor-parallel checkpoints in the dense (single-GPU) layout (``distributed/checkpoint/views.py``) and the
+GradScaler under tensor parallelism.
 
 A ViT with 3 heads (split 2 + 1 over tp=2) and Adam trains a few steps and is checkpointed by
 ``ShardedCheckpoints`` in every layout: plain (one process), tp=2 with FSDP over dp=2 and tp=2 with
 HSDP (4 ranks), tp=2 sync and async (2 ranks). Each checkpoint is loaded into other layouts (plain,
 tp=1, tp=2, tp=2 + FSDP/HSDP) and compared bitwise, in the dense layout, with the state at save time:
-the reference gathers every tp rank's slice of the parameters and Adam moments and reassembles them
-with ``ShardLayout.unshard``, a path independent of the checkpoint's blocks. Also the checkpoint's
-metadata (dense shape, one chunk per head block), ``tools.export_model`` from a tp checkpoint, and
-the GradScaler skipping a step on every tp rank when one rank's gradient slice overflows.
+the reference gathers every parameter and Adam moment with ``get_state_dict(full_state_dict=True)`` (DTensor's
+own gather) and reshapes the head-axis ones to the plain shape, a path independent of the checkpoint's
+chunks. Also the checkpoint's metadata (dense shape, one chunk per head block), ``tools.export_model`` from a
+tp checkpoint, the plain boxes of a viewed shard, and torch's GradScaler skipping a step on every tp rank
+when one rank's gradient shard overflows.
 """
 
 from __future__ import annotations
@@ -23,18 +24,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from distributed.checkpoint.export import export_model, full_model_state_dict
 from distributed.checkpoint.files import step_folder
 from distributed.checkpoint.sharded import ShardedCheckpoints
-from distributed.dense_shards import dense_blocks
+from distributed.checkpoint.views import plain_boxes
 from distributed.launch import LaunchEnv
+from distributed.layers import DistributedMatmul
+from distributed.tensor_parallel import apply_tensor_context_parallel, checkpoint_views
 from distributed.world import World
-from distributed.layers import ShardLayout
-from distributed.parallelize import ModelParallelGradScaler, build_grad_scaler
-from distributed.tensor_parallel import apply_tensor_context_parallel, full_state_dict, tp_layouts
 from networks.vit import VisionTransformer, build_model
 from tests.dist_utils import run_distributed
 from tests.test_checkpoint import assert_same
-from distributed.checkpoint.export import export_model
 from utils.config.loading import load_config, to_yaml
 from utils.config.schema import CheckpointConfig
 
@@ -45,13 +45,13 @@ SMALL3_CONFIG = {"img_size": [8, 16], "patch_size": 4, "n_in_channels": 2, "n_ou
 
 
 # ----------------------------------------------------------------------------- helpers (any process)
-def make_model(seed: int, tp_group=None, tp: bool = True, fsdp_mesh=None) -> torch.nn.Module:
-    """The dense ViT (seeded), tensor parallel over ``tp_group`` (None: tp=1) unless not ``tp``, then
+def make_model(seed: int, tp_mesh=None, tp: bool = True, fsdp_mesh=None) -> torch.nn.Module:
+    """The dense ViT (seeded), tensor parallel over ``tp_mesh`` (None: tp=1) unless not ``tp``, then
     FSDP2 over ``fsdp_mesh`` (blocks, then the root)."""
     torch.manual_seed(seed)
     model = VisionTransformer(**SMALL3)
     if tp:
-        apply_tensor_context_parallel(model, tp_group, None)
+        apply_tensor_context_parallel(model, tp_mesh, None)
     if fsdp_mesh is not None:
         for block in model.blocks:
             fully_shard(block, mesh=fsdp_mesh)
@@ -83,19 +83,13 @@ class Run:
             self.scheduler.step()
 
     def dense(self) -> dict:
-        """Model, optimizer and scheduler state in the dense layout (collective): FSDP shards gathered by
-        ``get_state_dict``, tp slices all-gathered and reassembled with ``ShardLayout.unshard``."""
+        """Model, optimizer and scheduler state in the dense layout (collective): DTensors (FSDP, tp) gathered by
+        ``get_state_dict``, head-axis parameters and moments reshaped to the plain shape."""
+        views = checkpoint_views(self.model)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
-        model_sd = {k: v.detach().clone() for k, v in model_sd.items()}
-        optim_state = {k: {n: t.clone() for n, t in v.items()} for k, v in optim_sd["state"].items()}
-        for name, (layout, group) in tp_layouts(self.model).items():
-            size = dist.get_world_size(group) if group is not None else 1
-            slices = [(model_sd[name], optim_state[name])] * size
-            if size > 1:
-                dist.all_gather_object(slices, slices[0], group=group)
-            model_sd[name] = layout.unshard([m for m, _ in slices])
-            for key in ("exp_avg", "exp_avg_sq"):
-                optim_state[name][key] = layout.unshard([o[key] for _, o in slices])
+        model_sd = {k: v.detach().clone().reshape(views.get(k, v.shape)) for k, v in model_sd.items()}
+        optim_state = {k: {n: t.clone().reshape(views[k]) if k in views and t.dim() else t.clone() for n, t in v.items()}
+                       for k, v in optim_sd["state"].items()}
         return {"model": model_sd, "optim": {"state": optim_state, "param_groups": optim_sd["param_groups"]},
                 "scheduler": self.scheduler.state_dict()}
 
@@ -109,7 +103,7 @@ class Run:
 
 def _save_reference(run: Run, directory: Path) -> dict:
     """The run's dense state, written to ``<directory>/want.pt`` by rank 0 for the other processes."""
-    want, full = run.dense(), full_state_dict(run.model)
+    want, full = run.dense(), full_model_state_dict(run.model)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({**want, "full_state_dict": full}, Path(directory) / "want.pt")
     return want
@@ -127,7 +121,7 @@ def fsdp_worker(rank: int, world_size: int, root: str) -> None:
     tp + HSDP (2 replicas of 1 shard) loads that and saves its own, asynchronously."""
     root = Path(root)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    tp = mesh["tp"].get_group()
+    tp = mesh["tp"]
     run = Run(make_model(1, tp, fsdp_mesh=mesh["dp"]), root / "tp_fsdp")
     run.load(root / "plain", 2, _want(root / "plain"))  # a non-TP checkpoint into tp + FSDP
     run.train(1)
@@ -136,7 +130,7 @@ def fsdp_worker(rank: int, world_size: int, root: str) -> None:
     Run(make_model(2, tp, fsdp_mesh=mesh["dp"]), root / "other").load(root / "tp_fsdp", 3, want)
 
     hsdp_mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    hsdp = Run(make_model(3, hsdp_mesh["tp"].get_group(), fsdp_mesh=hsdp_mesh["dp_replicate", "dp_shard"]),
+    hsdp = Run(make_model(3, hsdp_mesh["tp"], fsdp_mesh=hsdp_mesh["dp_replicate", "dp_shard"]),
                root / "hsdp", async_checkpoint=True)
     hsdp.load(root / "tp_fsdp", 3, want)
     hsdp.manager.save(3)
@@ -147,7 +141,7 @@ def tp_worker(rank: int, world_size: int, root: str) -> None:
     """2 ranks, tp=2: the tp + FSDP checkpoint loads; sync and async saves reload bitwise (the async one
     although the parameters change while it is written)."""
     root = Path(root)
-    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"].get_group()
+    tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"]
     run = Run(make_model(4, tp), root / "tp_run" / "checkpoints")
     run.load(root / "tp_fsdp", 3, _want(root / "tp_fsdp"))
     run.train(1)
@@ -219,62 +213,53 @@ def test_export_model_from_tp_checkpoint(checkpoints):
     assert_same(model.state_dict(), torch.load(run_dir / "want.pt", weights_only=False)["full_state_dict"])
 
 
-# ----------------------------------------------------------------------------- the dense map
-@pytest.mark.parametrize("layout", [ShardLayout(0, 3, 3, 4), ShardLayout(0, 1, 48, 1), ShardLayout(1, 1, 3, 4),
-                                    ShardLayout(0, 3, 5, 2)], ids=["qkv", "fc1", "proj", "5 heads"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_dense_blocks_place_every_row_of_a_slice(layout, world):
-    """Whole slices and row ranges of them (FSDP shards) land where ShardLayout.shard took them from."""
-    if layout.units < world:
-        pytest.skip("fewer units than ranks")
-    shape = [6, 6]
-    shape[layout.dim] = layout.full_size
-    dense = torch.arange(shape[0] * shape[1], dtype=torch.float64).reshape(shape)
+# ----------------------------------------------------------------------------- the plain boxes of a viewed shard
+@pytest.mark.parametrize("heads,world", [(3, 2), (5, 2), (5, 3), (4, 4)])
+def test_plain_boxes_place_every_element_of_a_shard(heads, world):
+    """A tp rank's shard of the fused QKV weight held as (3, heads, head_dim, D), whole or cut along D (FSDP),
+    lands where the plain (3 * heads * head_dim, D) tensor has it."""
+    d, width = 2, 6
+    view = (3, heads, d, width)
+    dense = torch.arange(3 * heads * d * width, dtype=torch.float64).reshape(3 * heads * d, width)
+    held = dense.reshape(view)
+    chunk = -(-heads // world)
     for rank in range(world):
-        local = layout.shard(dense, rank, world)
-        rows = local.shape[0]
-        for lo, hi in [(0, rows), (0, rows // 2), (rows // 2, rows), (1, rows - 1), (rows, rows)]:
-            offsets, sizes = (lo, 0), (hi - lo, local.shape[1])
-            box = local[lo:hi]
+        h0, hr = rank * chunk, max(0, min(chunk, heads - rank * chunk))
+        for c0, cn in [(0, width), (0, 3), (3, 3), (2, 1)]:
+            box = ((0, h0, 0, c0), (3, hr, d, cn))
+            local = held[:, h0:h0 + hr, :, c0:c0 + cn]
             covered = 0
-            for dense_off, start, length in dense_blocks(layout, rank, world, offsets, sizes):
-                part = box.narrow(layout.dim, start, length)
-                where = tuple(slice(o, o + n) for o, n in zip(dense_off, part.shape))
-                assert torch.equal(dense[where], part), (rank, lo, hi, dense_off)
+            for (off, size), index in plain_boxes(view, dense.shape, box):
+                part = local[index].reshape(size)
+                assert torch.equal(dense[off[0]:off[0] + size[0], off[1]:off[1] + size[1]], part), (rank, off)
                 covered += part.numel()
-            assert covered == box.numel(), (rank, lo, hi)
+            assert covered == local.numel(), (rank, c0, cn)
 
 
 # ----------------------------------------------------------------------------- GradScaler
 def _scaler_worker(rank: int, world_size: int) -> None:
-    """2 ranks as one tp group: rank 1's gradient slice overflows. Torch's scaler steps on rank 0 only;
-    ours skips on both (with and without an explicit unscale_, and for fused Adam), then steps on both."""
+    """2 ranks as one tp group: rank 1's gradient shard overflows. With DTensor parameters torch's own scaler
+    skips the step on both ranks (the inf check is reduced over the mesh), also with an explicit unscale_ and
+    for fused Adam, then steps on both."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    world = World(LaunchEnv(rank=rank, world_size=2), torch.device("cpu"), tp=2, meshes={"tp": mesh["tp"]})
-    assert isinstance(build_grad_scaler("cpu", True, world), ModelParallelGradScaler)
-    assert type(build_grad_scaler("cpu", True, World(LaunchEnv(), torch.device("cpu")))) is torch.amp.GradScaler
-    for variant in ("torch", "step", "unscale_", "fused"):
-        torch.manual_seed(rank)
-        layer = torch.nn.Linear(4, 3)
+    for variant in ("step", "unscale_", "fused"):
+        torch.manual_seed(0)
+        layer = DistributedMatmul.from_dense(torch.nn.Linear(4, 4), mesh["tp"])
         optimizer = torch.optim.Adam(layer.parameters(), lr=0.1, fused=variant == "fused")
-        scaler = torch.amp.GradScaler("cpu") if variant == "torch" else build_grad_scaler("cpu", True, world)
+        scaler = torch.amp.GradScaler("cpu")
         for overflow in (True, False):
-            before = layer.weight.detach().clone()
+            before = layer.weight.to_local().detach().clone()
             optimizer.zero_grad()
             scaler.scale(layer(torch.ones(2, 4)).square().sum()).backward()
             if overflow and rank == 1:
-                layer.weight.grad[0, 0] = float("inf")
+                layer.weight.grad.to_local()[0, 0] = float("inf")
             if variant == "unscale_":
                 scaler.unscale_(optimizer)
             scaler.step(optimizer)
             scaler.update()
-            stepped = not torch.equal(layer.weight, before)
-            if variant == "torch" and overflow:
-                assert stepped == (rank == 0), (variant, rank)  # why the subclass exists
-                break
+            stepped = not torch.equal(layer.weight.to_local(), before)
             assert stepped == (not overflow), (variant, overflow, rank)
-        if variant != "torch":
-            assert scaler.get_scale() == 2.0**15, (variant, scaler.get_scale())  # halved once, on both ranks
+        assert scaler.get_scale() == 2.0**15, (variant, scaler.get_scale())  # halved once, on both ranks
 
 
 def test_grad_scaler_skips_the_step_on_every_tp_rank():

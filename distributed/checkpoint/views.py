@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -158,15 +159,9 @@ class ViewLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         viewed = {k: v for k, v in self.state_dict.items() if self.views.plain(k, v) is not None}
-        everything, self.state_dict = self.state_dict, {k: v for k, v in self.state_dict.items() if k not in viewed}
-        try:
-            plan = super().create_local_plan()
-        finally:
-            self.state_dict = everything
-        reads = list(plan.items)
-        for fqn, obj in viewed.items():
-            reads += self._plain_reads(fqn, obj)
-        return dataclasses.replace(plan, items=reads)
+        rest = {k: v for k, v in self.state_dict.items() if k not in viewed}
+        plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        return dataclasses.replace(plan, items=plan.items + [r for k, v in viewed.items() for r in self._plain_reads(k, v)])
 
     def _plain_reads(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
         plain = self.views.plain(fqn, obj)

@@ -29,24 +29,28 @@ class Evaluator(Component):
             sample indices)`` normalized batches on the device, ``K >= valid_rollout_steps``.
         world: this rank's place in the job.
         leads: the lead time of each rollout step, in hours (``utils.evaluation.scoring.lead_hours``).
-        model: the model being trained; ``autocast``: its autocast context factory.
-        phase: the out-of-memory handler's phase context (validation is named in an OOM line).
 
     Raises:
         UserError: a configured key or plot channel is not in the data, or the data's latitudes
             cannot weight the scores.
     """
 
-    def __init__(self, cfg: EvaluationConfig, data: Data, world: World, leads: list[float], model: nn.Module,
-                 autocast: Callable[[], ContextManager], phase: Callable[[str], ContextManager]):
+    def __init__(self, cfg: EvaluationConfig, data: Data, world: World, leads: list[float]):
         self.cfg, self.data, self.world = cfg, data, world
-        self.model, self.autocast, self.phase = model, autocast, phase
         self.steps = cfg.valid_rollout_steps
         self.lead_hours = leads[:self.steps]
         self.key_channels, self.plot_channel = pick_channels(cfg, data.channel_names)
         self.lat_weights = checked_latitude_weights(data.latitude, world.device)
         # persistence and climatology scores depend only on the (fixed) validation split: computed once
         self.baselines: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.model, self.autocast, self.phase = None, None, None
+
+    def attach(self, model: nn.Module, autocast: Callable[[], ContextManager],
+               phase: Callable[[str], ContextManager]) -> None:
+        """The model that validation scores, once it is built (the evaluator itself is made before, so that a bad
+        channel stops the run before its directory exists): ``autocast``, its autocast context factory;
+        ``phase``, the out-of-memory handler's phase context (validation is named in an OOM line)."""
+        self.model, self.autocast, self.phase = model, autocast, phase
 
     def epoch_end(self, state, record: dict) -> None:
         """Validate after every ``valid_every``-th epoch and after the last one: the scores, ``valid_time_s``

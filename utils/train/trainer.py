@@ -90,6 +90,8 @@ class Trainer:
         self.data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed,
                                valid_target_steps=cfg.evaluation.valid_rollout_steps,
                                valid_init_every=cfg.evaluation.valid_init_every)
+        self.evaluator = Evaluator(cfg.evaluation, self.data, world,
+                                   lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps))
         self.steps_per_epoch = self._steps_per_epoch()
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
@@ -107,6 +109,7 @@ class Trainer:
         self._build_model()
         self.state = TrainState(data_parallel=world.dp, total_steps=cfg.optim.num_iters)
         self.read_back: tuple[int, float] | None = None  # (iteration, loss) of the newest step read back
+        self.data_wait = 0.0  # host seconds of this epoch spent waiting for the loader
         self._build_components(run, recorded, extra)
 
     # ---------------------------------------------------------------- construction
@@ -146,9 +149,7 @@ class Trainer:
         self.profiler = ProfilerWindow(lg.profile_epoch, lg.profile_start_step, lg.profile_steps, world.rank)
         self.memory_profile = MemoryProfiler(cfg.memory, memory_dir, world, self.model, self.optimizer, self.local_bs)
         self.memory = MemoryTracker(self.device)
-        self.evaluator = Evaluator(cfg.evaluation, self.data, world,
-                                   lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps),
-                                   self.model, self.step_fn.autocast, self.oom.phase)
+        self.evaluator.attach(self.model, self.step_fn.autocast, self.oom.phase)
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.reporter = Reporter(lg, self.run_dir if world.is_main else None, self.evaluator.key_channels,

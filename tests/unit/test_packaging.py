@@ -1,0 +1,44 @@
+"""Nothing of ours lands on other programs' import path: installing the project installs no package of its own,
+so a generic name (``distributed``, ``utils``) stays another package's, dask's ``distributed`` included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("utils", "distributed", "tools", "networks", "kernels")
+MARKER = "DASK_DISTRIBUTED = True  # stands for dask's package\n"
+
+
+def _where(module: str, path: str, cwd: Path) -> str:
+    """The file ``import module`` finds with ``path`` on PYTHONPATH, run from ``cwd`` ("" when none)."""
+    code = (f"import importlib.util as u; s = u.find_spec({module!r}); "
+            "print(s.origin if s else '')")
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_an_install_beside_dask_distributed_changes_nothing(tmp_path):
+    site = tmp_path / "site"
+    dask = site / "distributed"
+    dask.mkdir(parents=True)
+    (dask / "__init__.py").write_text(MARKER)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--no-index", "--target", str(site), str(ROOT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (dask / "__init__.py").read_text() == MARKER  # not overwritten
+    installed = {p.name for p in site.iterdir()}
+    assert not installed & set(OURS) - {"distributed"}, installed
+    assert any(name.startswith("era5_vit") for name in installed)  # the project did install (metadata)
+    assert _where("distributed", str(site), tmp_path) == str(dask / "__init__.py")
+
+
+def test_the_projects_environment_exposes_none_of_our_packages(tmp_path):
+    """From outside the repository, in the environment the tests run in, our package names find nothing of ours."""
+    for name in OURS:
+        found = _where(name, "", tmp_path)
+        assert not found.startswith(str(ROOT)), f"{name} -> {found}"
