@@ -13,10 +13,14 @@ line, ``error: ...``, on every rank and exit with status 2.
 
 from __future__ import annotations
 
-import sys
-from functools import partial
+from utils.core.signals import install
 
-from utils.core.errors import run_cli
+install()  # first: a SIGTERM, SIGUSR1 or Ctrl-C during start-up is recorded, never the default's sudden death
+
+import sys  # noqa: E402
+from functools import partial  # noqa: E402
+
+from utils.core.errors import run_cli  # noqa: E402
 
 
 def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") -> None:

@@ -91,10 +91,10 @@ def apply_packed_attention(model: nn.Module) -> None:
 
 
 def data_parallel_mesh(parallel: ParallelConfig, world: World):
-    """The mesh data parallelism reduces gradients over: ``dp``, or with tensor/context parallelism ``dp_cp``
-    (``hsdp``/``hsdp_cp``: 2D, replicate x shard)."""
+    """The mesh data parallelism reduces gradients over: ``dp``, or with context parallelism ``dp_cp`` (``hsdp``,
+    ``hsdp_cp``: 2D, replicate x shard)."""
     hsdp = parallel.fsdp == "hsdp"
-    if world.model_parallel:
+    if world.cp > 1:
         return world.meshes["hsdp_cp" if hsdp else "dp_cp"]
     return world.meshes["hsdp" if hsdp else "dp"]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -108,14 +109,21 @@ def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str
     hsdp = mesh[("dp_replicate", "dp_shard")]
     meshes = {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
     meshes["dp_cp"] = mesh[tuple(d for d in dims if d != "tp")]._flatten("dp_cp")
+    if hsdp_shard and cp > 1:  # HSDP under context parallelism: replicate x (shard x cp)
+        meshes["hsdp_cp"] = _hsdp_cp(mesh, dims, order)
+    return meshes
+
+
+def _hsdp_cp(mesh: DeviceMesh, dims: list[str], order: str) -> DeviceMesh:
+    """The 2D ``dp_replicate x (dp_shard x cp)`` mesh. Raises UserError when ``order`` separates cp from dp."""
     mesh[tuple(d for d in dims if d in ("dp_shard", "cp"))]._flatten("dp_shard_cp")
-    try:
-        meshes["hsdp_cp"] = mesh[("dp_replicate", "dp_shard_cp")]
-    except (RuntimeError, KeyError, ValueError):  # the order puts something between them: HSDP cannot use cp
-        if hsdp_shard and cp > 1:
+    with warnings.catch_warnings():  # torchtitan's way too; torch warns it may one day ask for another
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return mesh[("dp_replicate", "dp_shard_cp")]
+        except (RuntimeError, KeyError, ValueError):
             raise UserError(f"--fsdp hsdp with context parallelism needs cp next to dp in --parallel_order, got "
                             f"{order}; use tp-cp-dp or cp-dp-tp") from None
-    return meshes
 
 
 def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> World:

@@ -20,7 +20,9 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distributed.checkpoint.files import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
-                                          save_file, step_folder, step_folders)
+                                          read_checksums, save_file, step_folder, step_folders)
+from distributed.checkpoint.storage import SafeReader, load_plain, mismatched_file
+from distributed.checkpoint.views import ViewLoadPlanner
 from distributed.tensor_parallel import checkpoint_views
 from networks.vit import build_model
 from utils.config.loading import load_run_config
@@ -93,18 +95,33 @@ def load_checkpoint_model(run_dir: Path, cfg: Config, step: int | None = None,
         raise UserError(f"{path} is not a complete sharded checkpoint; pass a step_* folder with its .metadata, "
                         "or a .pt file written by python -m tools.export_model")
     try:
-        if path.is_dir():  # the key layout CheckpointManager saved: {"model": <plain model state_dict>, ...}
-            state = {"model": model.state_dict()}
-            dcp.load(state, checkpoint_id=path, no_dist=True)
-            n = folder_step(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            n = int(state.get("step", -1))
+        state, n = _read_model_state(path, model)
         model.load_state_dict(state["model"])
+    except UserError:
+        raise
     except (Exception, CheckpointException) as exc:
         raise UserError(f"checkpoint {path} does not load into the model of {run_dir / 'config.yaml'} "
                         f"({describe_exception(exc)}); pick another with --step") from None
     return model, n
+
+
+def _read_model_state(path: Path, model: nn.Module) -> tuple[dict, int]:
+    """``({"model": state_dict}, step)`` of a sharded checkpoint folder (its files verified against their
+    checksums, its metadata and items read without running code) or of a single ``.pt`` file.
+
+    Raises:
+        UserError: a file that does not match its checksum, or that holds more than plain data.
+    """
+    if not path.is_dir():
+        state = load_plain(path)
+        return state, int(state.get("step", -1)) if isinstance(state, dict) else -1
+    manifest = read_checksums(path)
+    bad = None if manifest is None else mismatched_file(path, manifest)
+    if bad is not None:
+        raise UserError(f"checkpoint {bad}; pick another with --step")
+    state = {"model": model.state_dict()}  # the key layout the manager saves: {"model": <plain state_dict>, ...}
+    dcp.load(state, storage_reader=SafeReader(path), planner=ViewLoadPlanner({}), no_dist=True)
+    return state, folder_step(path)
 
 
 def export_model(run_dir: Path, step: int | None = None, out: Path | None = None) -> tuple[Path, int]:

@@ -3,8 +3,9 @@ load may use, and one-line descriptions of failed writes.
 
 A checkpoint directory (a run's ``checkpoints/``)::
 
-    step_00000050/   one DCP checkpoint: __<rank>_0.distcp (each rank's shards), rank<r>.pt (state
-                     that differs per rank), .metadata (written last: all files above are complete)
+    step_00000050/   one DCP checkpoint: __<rank>_<i>.distcp (each rank's shards), rank<r>.pt (state
+                     that differs per rank), .metadata (written last: all files above are complete),
+                     checksums.json (every file's checksum, written before ``latest`` names the folder)
     latest           the name of the newest complete step folder, replaced atomically
     model.pt         the single-file model of the run's end (``distributed/checkpoint/export.py``)
 
@@ -15,6 +16,7 @@ temporary name and renamed, so an interrupted write never replaces a good file w
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -28,6 +30,7 @@ from utils.core.files import write_atomic
 
 LATEST = "latest"
 METADATA = ".metadata"  # DCP's global metadata: rank 0 writes it once every rank's shards are written
+CHECKSUMS = "checksums.json"  # {file name: checksum} of every file of the folder, written before latest moves
 # the fix of a failed checkpoint write
 DISK_FIX = "free space or pass --expdir on a larger filesystem (or --save_checkpoint false)"
 
@@ -144,3 +147,23 @@ def resolve_checkpoint(path: Path) -> Path:
         raise UserError(f"{path} is not a complete checkpoint (a step_* folder holding {METADATA}, or a checkpoint "
                         f"directory whose '{LATEST}' names one); pass another checkpoint or --resume never")
     return folder
+
+
+def read_checksums(folder: Path) -> dict[str, str] | None:
+    """``{file name: checksum}`` of ``folder``'s ``checksums.json``; None when the folder has none (written before
+    checkpoints were checksummed).
+
+    Raises:
+        UserError: the file is not the JSON that saves write (damaged, or written by another tool).
+    """
+    path = Path(folder) / CHECKSUMS
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text())
+        files = content["files"]
+        if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
+            raise TypeError("not a map of file names to checksums")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be verified") from None
+    return files

@@ -78,11 +78,11 @@ class CheckpointManager(Component):
         self.state = state
 
     def step_end(self, state) -> None:
+        if state.stop_signal:
+            self._stop(state)
         if not self.cfg.save_checkpoint:
             return
         self.sharded.prepare()  # host buffers for the saves, allocated in the background from the first step
-        if state.stop_signal:
-            self._stop(state)
         self.due = self.due or self._cadence(state)
         if self.due and not state.last_step_of_epoch:
             self.save(state)
@@ -120,12 +120,16 @@ class CheckpointManager(Component):
         self.saved_step, self.due, self.last_save = state.step, False, time.monotonic()
 
     def _stop(self, state) -> None:
-        """Checkpoint this step (unless just done), wait until it is committed, and raise Preempted."""
-        if self.saved_step != state.step:
-            self.save(state)
-        self.sharded.wait()
+        """Checkpoint this step (unless just done or checkpoints are off), wait until it is committed, and raise
+        Preempted."""
+        saved = "no checkpoint written (--save_checkpoint false): the run cannot continue"
+        if self.cfg.save_checkpoint:
+            if self.saved_step != state.step:
+                self.save(state)
+            self.sharded.wait()
+            saved = f"checkpoint {self.latest()} written; run the same command to resume"
         message = ""
         if self.world.is_main:  # one line for the job
-            message = (f"preempted by {signal_name(state.stop_signal)} at iteration {state.step}: checkpoint "
-                       f"{self.latest()} written; exit status {EXIT_PREEMPTED}; run the same command to resume")
+            message = (f"preempted by {signal_name(state.stop_signal)} at iteration {state.step}: {saved}; exit "
+                       f"status {EXIT_PREEMPTED}")
         raise Preempted(message)

@@ -25,19 +25,21 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distributed.checkpoint.files import (DISK_FIX, LATEST, describe_exception, folder_step, load_candidates,
+from distributed.checkpoint.files import (CHECKSUMS, DISK_FIX, LATEST, read_checksums, describe_exception, folder_step, load_candidates,
                                           named_latest, os_error, read_latest, resolve_checkpoint, step_folder,
                                           step_folders, is_complete, write_failed)
 from distributed.checkpoint.staging import HostStager
-from distributed.checkpoint.storage import WRITE_THREADS, CheckedWriter
+from distributed.checkpoint.storage import (HASH, WRITE_THREADS, CheckedWriter, SafeReader, UnsafeCheckpoint,
+                                            load_plain, mismatched_file, write_hashed)
 from distributed.checkpoint.views import ViewLoadPlanner, ViewSavePlanner
 from distributed.tensor_parallel import checkpoint_views
 from distributed.world import World, main_decides
 from utils.config.schema import CheckpointConfig
 from utils.core.errors import UserError
-from utils.core.files import write_atomic
+from utils.core.files import write_atomic, write_json_atomic
 
 log = logging.getLogger(__name__)
+UNSAFE = "unsafe: "  # marks a rank's load error that must not fall back to an older checkpoint
 # DCP warns on every save and load of one process that it runs without torch.distributed: intended here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -98,7 +100,8 @@ class ShardedCheckpoints:
         self.cfg, self.directory, self.world = cfg, Path(directory), world
         self.model, self.optimizer, self.stateful = model, optimizer, dict(stateful)
         self.per_rank = {name: obj for name, obj in self.stateful.items() if hasattr(obj, "per_rank_state_dict")}
-        self._pending: tuple[Future, Path] | None = None  # an async save staged but not committed
+        self._pending: tuple[Future, Path, CheckedWriter] | None = None  # an async save staged, not committed
+        self._digests: dict[str, str] = {}  # checksums of the files this rank wrote for the save in progress
         self._group: dist.ProcessGroup | None = None  # the gloo group of async saves, made at the first one
         self._stager = HostStager(world.device)  # the host copy of the saved state, reused
         self._prepared = False  # prepare() has started the stager's allocation
@@ -128,20 +131,22 @@ class ShardedCheckpoints:
         if folder == self._current:
             return
         self._raise_any(self._make_folder(folder) if self.world.is_main else None)
+        self._digests = {}
         if self.per_rank:
             self._raise_any(self._write_per_rank(folder), folder)
-        state = self._state()
+        state, writer = self._state(), self._writer(folder)
         try:
             if self.cfg.async_checkpoint:  # async_save returns once the state is copied to host memory
-                self._pending = dcp.async_save(state, storage_writer=self._writer(folder), planner=self._save_planner(),
-                                               process_group=self._async_group(), async_stager=self._stager), folder
+                future = dcp.async_save(state, storage_writer=writer, planner=self._save_planner(),
+                                        process_group=self._async_group(), async_stager=self._stager)
+                self._pending = future, folder, writer
                 return
             # on GPUs, one copy to host memory at full bandwidth; the writer threads then only do I/O
             staged = self._stager.stage(state) if self._stager.pin else state
-            dcp.save(staged, storage_writer=self._writer(folder), planner=self._save_planner())
+            dcp.save(staged, storage_writer=writer, planner=self._save_planner())
         except (Exception, CheckpointException) as exc:
             self._save_failed(folder, exc)
-        self._commit(folder)
+        self._commit(folder, writer)
 
     def prepare(self) -> None:
         """Start allocating the host buffers that saves copy the state into, in the background, so the
@@ -164,13 +169,13 @@ class ShardedCheckpoints:
         """
         if self._pending is None:
             return
-        future, folder = self._pending
+        future, folder, writer = self._pending
         self._pending = None
         try:
             future.result()
         except (Exception, CheckpointException) as exc:
             self._save_failed(folder, exc)
-        self._commit(folder)
+        self._commit(folder, writer)
 
     def load(self, path: Path | None = None) -> int | None:
         """Restore every object from a checkpoint (collective); returns its step, None if there is none.
@@ -192,6 +197,8 @@ class ShardedCheckpoints:
         for folder in found:
             loaded, error = self._read(folder)
             error = self._first_error(error)
+            if error is not None and error.startswith(UNSAFE):  # never fall back past a file that runs code
+                raise UnsafeCheckpoint(error[len(UNSAFE):])
             if error is None:
                 self._apply(folder, *loaded)
                 return folder_step(folder)
@@ -260,11 +267,11 @@ class ShardedCheckpoints:
 
     def _write_per_rank(self, folder: Path) -> str | None:
         """Write this rank's ``rank<r>.pt`` (before DCP's save, whose ``.metadata`` then vouches for
-        it). Returns an error message or None."""
+        it) and note its checksum. Returns an error message or None."""
         path = folder / f"rank{self.world.rank}.pt"
         state = {name: obj.per_rank_state_dict() for name, obj in self.per_rank.items()}
         try:
-            write_atomic(path, lambda f: torch.save(state, f))
+            self._digests[path.name] = write_hashed(path, state)
         except (OSError, RuntimeError) as exc:
             cause = os_error(exc)
             if cause is None:
@@ -282,17 +289,20 @@ class ShardedCheckpoints:
             shutil.rmtree(folder, ignore_errors=True)
         raise UserError(f"{write_failed(folder, cause)}; the previous checkpoint is kept: {DISK_FIX}") from None
 
-    def _commit(self, folder: Path) -> None:
-        """Make ``folder`` the one ``latest`` names and delete what it supersedes (rank 0), then agree
-        on the outcome (collective).
+    def _commit(self, folder: Path, writer: CheckedWriter) -> None:
+        """Write every rank's checksums into the folder, make it the one ``latest`` names and delete what it
+        supersedes (rank 0), then agree on the outcome (collective).
 
         No barrier is needed first: DCP's save returns on a rank only after rank 0 wrote
         ``.metadata``, which it does once every rank reported its shards written (and each
         ``rank<r>.pt`` was written before that rank entered DCP's save).
         """
+        digests = self._gathered({**self._digests, **writer.digests}) if self.cfg.checkpoint_checksums else None
         error = None
         if self.world.is_main:
             try:
+                if digests is not None:
+                    write_json_atomic(folder / CHECKSUMS, {"hash": HASH, "files": digests})
                 write_atomic(self.directory / LATEST, lambda f: f.write(f"{folder.name}\n".encode()))
             except OSError as exc:
                 error = f"{write_failed(self.directory / LATEST, exc)}; the previous checkpoint is kept: {DISK_FIX}"
@@ -338,8 +348,11 @@ class ShardedCheckpoints:
         """
         state = self._state()
         try:
-            dcp.load(state, checkpoint_id=folder, planner=ViewLoadPlanner(self._views))
+            self._verify(folder)
+            dcp.load(state, storage_reader=SafeReader(folder), planner=ViewLoadPlanner(self._views))
             return (state, self._read_per_rank(folder)), None
+        except UnsafeCheckpoint as exc:
+            return None, f"{UNSAFE}{exc}"
         except (Exception, CheckpointException) as exc:
             return None, describe_exception(exc)
 
@@ -349,7 +362,7 @@ class ShardedCheckpoints:
         path = folder / f"rank{self.world.rank}.pt"
         if not path.is_file():
             return None
-        saved = torch.load(path, map_location="cpu", weights_only=False)  # our own file: numpy/Python RNG states
+        saved = load_plain(path)
         return {name: saved[name] for name in self.per_rank}
 
     def _apply(self, folder: Path, state: dict[str, Any], per_rank: dict[str, Any] | None) -> None:
@@ -364,6 +377,32 @@ class ShardedCheckpoints:
             for name, obj in self.per_rank.items():
                 obj.load_per_rank_state_dict(per_rank[name])
         self._current = folder
+
+    # ---- checksums
+    def _gathered(self, mine: dict[str, str]) -> dict[str, str]:
+        """Every rank's ``{file: checksum}`` merged (collective)."""
+        if self.world.world_size == 1 or not dist.is_initialized():
+            return dict(mine)
+        every: list[dict[str, str]] = [{}] * self.world.world_size
+        dist.all_gather_object(every, mine)
+        return {name: digest for part in every for name, digest in part.items()}
+
+    def _verify(self, folder: Path) -> None:
+        """Check ``folder``'s files against its checksums before anything is loaded (collective): each rank reads
+        its share of the files. A checkpoint written before checksums existed loads with a warning.
+
+        Raises:
+            UserError: a file differs from its checksum or is missing (naming it).
+        """
+        manifest = main_decides(lambda: read_checksums(folder), self.world)
+        if manifest is None:
+            if self.world.is_main:
+                log.warning("checkpoint %s has no %s (written before checkpoints were checksummed): its files are "
+                            "not verified", folder, CHECKSUMS)
+            return
+        error = self._first_error(mismatched_file(folder, manifest, self.world.rank, self.world.world_size))
+        if error is not None:
+            raise UserError(error)
 
     # ---- agreement
     def _first_error(self, error: str | None) -> str | None:

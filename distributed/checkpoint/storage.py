@@ -1,18 +1,92 @@
-"""How checkpoint files are written: DCP's file writer, made to fail when one of its threads fails."""
+"""How checkpoint files are written and read: DCP's file writer, made to fail when one of its threads fails and
+to checksum every file while writing it; and a reader that runs no code from the files it reads.
+
+Reading a checkpoint from elsewhere must not run code. Two of its files are pickles: DCP's ``.metadata`` and
+the non-tensor items of the ``.distcp`` files (the schedule's and the train state's numbers). The
+:class:`SafeReader` unpickles ``.metadata`` with an allow-list (:data:`METADATA_CLASSES`: DCP's metadata
+classes, ``torch.Size``, dtypes, layouts, paths), and the load planner reads the other items with
+``torch.load(weights_only=True)`` (``distributed/checkpoint/views.py``). Anything else is refused with one line.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import pickle
 import threading
+from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from distributed.checkpoint.files import os_error
+from distributed.checkpoint.files import CHECKSUMS, METADATA, os_error
+from utils.core.errors import UserError
+from utils.core.files import write_atomic
 
 WRITE_THREADS = 8  # per rank
+HASH = "sha256"  # hashlib's name of the checkpoint files' checksum
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint file holds something that loading would have to run: it is refused, nothing is loaded."""
+
+
+class HashingStream(io.RawIOBase):
+    """A binary stream that checksums (:data:`HASH`) every byte written to ``stream`` on the way; ``digest()``
+    once written. Writing is sequential (``torch.save`` and DCP's writer only append)."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream, self.hash = stream, hashlib.new(HASH)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.hash.update(view)  # hashlib releases the GIL for large buffers: writer threads hash in parallel
+        return self.stream.write(view)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def digest(self) -> str:
+        return self.hash.hexdigest()
+
+
+class _ChecksummingFileSystem(dcp_filesystem.FileSystem):
+    """DCP's local file system whose written streams are hashed; ``digests`` maps file names to checksums."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = HashingStream(stream)
+            yield hashing
+            self.digests[Path(path).name] = hashing.digest()
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)  # DCP writes .metadata as .metadata.tmp, then renames it
+        if Path(path).name in self.digests:
+            self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
 
 
 class CheckedWriter(dcp.FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that fails when one of its writer threads fails.
+    """DCP's ``FileSystemWriter`` that fails when one of its writer threads fails, and checksums every file it
+    writes (``digests``: file name -> checksum, this rank's files; rank 0's include ``.metadata``).
 
     Its threads' exceptions (a full disk, say) only reach ``threading.excepthook``, which prints
     a traceback, and the items they were writing are just missing from the results: DCP would
@@ -22,6 +96,14 @@ class CheckedWriter(dcp.FileSystemWriter):
     Raises:
         OSError: a writer thread's failure, or the OSError behind it (a full disk).
     """
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _ChecksummingFileSystem()
+
+    @property
+    def digests(self) -> dict[str, str]:
+        return self.fs.digests
 
     def write_data(self, plan, planner):
         failures: list[BaseException] = []
@@ -55,3 +137,124 @@ class CheckedWriter(dcp.FileSystemWriter):
 def _is_writer_thread(thread: threading.Thread | None) -> bool:
     """One of the threads ``FileSystemWriter.write_data`` starts (named after their target)."""
     return thread is not None and "_write_files_from_queue" in thread.name
+
+
+def _allowed_metadata_classes() -> dict[tuple[str, str], Any]:
+    """What a DCP ``.metadata`` pickle of this torch refers to: DCP's metadata classes, its per-file storage
+    record, ``torch.Size``, dtypes, layouts, memory-format codes and the checkpoint's path."""
+    allowed = {(dcp_metadata.__name__, name): obj for name, obj in vars(dcp_metadata).items()
+               if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__}
+    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed.update({("torch", name): obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)})
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
+    import pathlib
+    allowed.update({("pathlib", name): getattr(pathlib, name)
+                    for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")})
+    return allowed
+
+
+METADATA_CLASSES = _allowed_metadata_classes()
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only :data:`METADATA_CLASSES`; any other global is refused before it is imported, so a crafted
+    file runs no code (the allow-list technique of the ``pickle`` docs, "Restricting Globals").
+
+    Raises:
+        UnsafeCheckpoint: naming ``path`` and the refused class.
+    """
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = METADATA_CLASSES.get((module, name))
+        if found is None:
+            raise UnsafeCheckpoint(f"{self.path} refers to {module}.{name}, which no checkpoint's metadata holds: "
+                                   "loading it could run code, so it is refused; use a checkpoint you trust")
+        return found
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``read_metadata`` unpickles ``.metadata`` with :class:`RestrictedUnpickler`.
+
+    Raises:
+        UnsafeCheckpoint: the metadata refers to a class outside the allow-list.
+        UserError: the metadata is damaged (not a pickle, or not DCP's metadata).
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = Path(self.path) / METADATA
+        try:
+            with open(path, "rb") as f:
+                metadata = RestrictedUnpickler(f, path).load()
+        except UnsafeCheckpoint:
+            raise
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, IndexError, TypeError, ValueError) as exc:
+            raise UserError(f"{path} is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UserError(f"{path} is damaged (it holds {type(metadata).__name__}, not DCP's metadata)")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _numpy_array_globals() -> list:
+    """What a pickled NumPy array refers to (``ndarray``, its rebuild function, dtypes): data, no code. Checkpoints
+    written before random states were plain data hold NumPy's generator state as such an array."""
+    import numpy as np
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_plain(path: Path) -> Any:
+    """``torch.load`` of one of our own files (``rank<r>.pt``, ``model.pt``) with ``weights_only=True``: tensors,
+    numbers, strings, lists, tuples, dicts (and NumPy arrays, which older files hold), never code.
+
+    Raises:
+        UnsafeCheckpoint: the file holds something else (a crafted file), naming the file.
+        UserError: the file cannot be read (damaged, truncated).
+    """
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = " ".join(str(exc).split()).split("Check the recommended steps")[0][:300]
+        raise UnsafeCheckpoint(f"{path} holds more than plain data ({detail}): loading it could run code, so it is "
+                               "refused; use a checkpoint you trust") from None
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise UserError(f"cannot read {path} ({' '.join(str(exc).split())[:200]}); the file is damaged") from None
+
+
+def file_digest(path: Path, chunk: int = 16 << 20) -> str:
+    """The :data:`HASH` checksum of a file, read in chunks."""
+    hasher = hashlib.new(HASH)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def write_hashed(path: Path, obj: Any) -> str:
+    """``torch.save(obj)`` to ``path`` through a temporary file (``write_atomic``); its checksum."""
+    digest = []
+
+    def write(f) -> None:
+        stream = HashingStream(f)
+        torch.save(obj, stream)
+        digest.append(stream.digest())
+    write_atomic(path, write)
+    return digest[0]
+
+
+def mismatched_file(folder: Path, manifest: dict[str, str], rank: int = 0, ranks: int = 1) -> str | None:
+    """The first of this rank's share (``rank``-th of every ``ranks``) of ``manifest``'s files that is missing or
+    differs from its checksum, as a message; None when all match."""
+    for name in sorted(manifest)[rank::ranks]:
+        path = Path(folder) / name
+        if not path.is_file() or file_digest(path) != manifest[name]:
+            return f"{path} does not match its checksum in {CHECKSUMS} (changed or damaged after it was written)"
+    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import pickle
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from distributed.checkpoint.storage import UnsafeCheckpoint
 from distributed.world import local_tensor
 
 # a box of a tensor: (offsets, sizes) per dimension
@@ -150,7 +152,13 @@ class ViewSavePlanner(DefaultSavePlanner):
 
 class ViewLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that reads viewed tensors from their plain shape: each plain box is read into a
-    buffer, which is copied into the local tensor once all its reads are done."""
+    buffer, which is copied into the local tensor once all its reads are done; and that reads the non-tensor
+    items (the schedule's, the train state's numbers) with ``torch.load(weights_only=True)``, so a crafted
+    checkpoint runs no code (DCP's own planner unpickles them without restriction).
+
+    Raises:
+        UnsafeCheckpoint: a non-tensor item holds more than plain data.
+    """
 
     def __init__(self, views: dict[str, torch.Size], **kwargs):
         super().__init__(**kwargs)
@@ -179,6 +187,22 @@ class ViewLoadPlanner(DefaultLoadPlanner):
                                         local[part]]
             reads += items
         return reads
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpoint(f"checkpoint item {fqn} holds more than plain data: loading it could run code, so "
+                                   "it is refused; use a checkpoint you trust") from None
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        *parents, last = self.mappings[fqn]
+        container = self.original_state_dict
+        for key in parents:
+            container = container[key]
+        container[last] = obj
 
     def resolve_tensor(self, read_item: ReadItem):
         entry = self.buffers.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset)))

@@ -144,17 +144,20 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def to_yaml(cfg: Config) -> str:
-    """The resolved config as a YAML file of one named config, loadable with ``--yaml_config``."""
+def to_yaml(cfg: Config, exclude: tuple[str, ...] = ()) -> str:
+    """The resolved config as a YAML file of one named config, loadable with ``--yaml_config``; the keys in
+    ``exclude`` are left out (a run directory's ``config.yaml`` leaves out ``run_num``, so that it repeats the run
+    elsewhere)."""
     values = cfg.flat()
     lines = [f"# resolved config {cfg.name!r} (from {cfg.yaml_config})", f"{cfg.name}:"]
     for attr, (_, title) in SECTIONS.items():
         lines.append(f"  # ---- {title}")
-        lines += [f"  {s.name}: {json.dumps(values[s.name])}" for s in KEYS.values() if s.section == attr]
+        lines += [f"  {s.name}: {json.dumps(values[s.name])}" for s in KEYS.values()
+                  if s.section == attr and s.name not in exclude]
     return "\n".join(lines) + "\n"
 
 
-RUN_DIR_HINT = "pass a run directory written by train.py (<expdir>/<config>/<N>GPU/<run_num>)"
+RUN_DIR_HINT = "pass a run directory written by train.py (<expdir>/<config>/<N>GPU/<run_num>, <N>CPU on CPUs)"
 
 
 def load_run_config(run_dir: Path) -> Config:

@@ -141,6 +141,7 @@ class CheckpointConfig:
                                           NON_NEGATIVE)
     keep_checkpoints: int = key(2, "complete checkpoints kept; older ones are deleted", AT_LEAST_1)
     async_checkpoint: bool = key(False, "write checkpoints in the background (DCP async_save)")
+    checkpoint_checksums: bool = key(True, "checksum every checkpoint file as it is written and verify before loading")
     resume: str = key("auto", "auto: continue this run from its latest complete checkpoint; never; or a "
                               "checkpoint folder to start from")
 

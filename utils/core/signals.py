@@ -1,11 +1,15 @@
-"""Preemption: SIGUSR1 and SIGTERM ask the run to checkpoint and stop at the next step boundary.
+"""Preemption: SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) ask the run to checkpoint and stop at the next step boundary.
 
-SLURM sends SIGTERM at the time limit, or on ``scancel``, and with ``--signal=B:USR1@<s>`` a
-SIGUSR1 ahead of it. The handler only records the signal: saving from inside a handler could run
-in the middle of a backward pass or a collective. The trainer reads the flag at each step
-boundary through its per-step all-reduce, so every rank sees the same verdict at the same step,
-even when only some ranks got the signal. Then each rank writes the checkpoint and the run exits
-with :data:`utils.core.errors.EXIT_PREEMPTED`.
+SLURM sends SIGTERM at the time limit, or on ``scancel``, and with ``--signal=B:USR1@<s>`` a SIGUSR1 ahead of
+it; a user at a terminal presses Ctrl-C. The entry points install the handlers as their first statement
+(:func:`install`), so a signal during the minutes of start-up is never lost to the default action: it is
+recorded, and the run stops with the preemption status before its first step, having trained nothing.
+
+The handler only records the signal: saving from inside a handler could run in the middle of a backward
+pass or a collective. The trainer reads the flag at each step boundary through its per-step all-reduce, so
+every rank sees the same verdict at the same step, even when only some ranks got the signal. Then each rank
+writes the checkpoint and the run exits with :data:`utils.core.errors.EXIT_PREEMPTED`. A second Ctrl-C does
+not wait: it stops the process at once (``KeyboardInterrupt``, one line, exit status 130).
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from __future__ import annotations
 import signal
 import threading
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionFlag:
-    """Records the first SIGUSR1/SIGTERM this process receives, from :meth:`install` to :meth:`close`.
+    """Records the first preemption signal this process receives, from :meth:`install` to :meth:`close`.
 
     ``signum``: 0 until a signal arrives, then its number (an int, for the all-reduce).
     Handlers can only be installed from the main thread; elsewhere (a test's worker thread)
@@ -29,18 +33,29 @@ class PreemptionFlag:
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionFlag:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             self._previous = {s: signal.signal(s, self._record) for s in SIGNALS}
         return self
 
     def close(self) -> None:
-        """Restore the handlers that were in place before :meth:`install`."""
+        """Restore the handlers that were in place before :meth:`install` and forget the signal."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
-        self._previous = {}
+        self._previous, self.signum = {}, 0
 
     def _record(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.signum = self.signum or signum
+
+
+# the process's flag: signal handlers belong to the process, not to one object of it
+PREEMPTION = PreemptionFlag()
+
+
+def install() -> PreemptionFlag:
+    """Catch the preemption signals from now on (the entry points' first statement); returns the flag."""
+    return PREEMPTION.install()
 
 
 def signal_name(signum: int) -> str:

@@ -27,6 +27,7 @@ from utils.config.schema import LoggingConfig
 from utils.core.component import Component
 from utils.core.errors import Preempted, UserError, free_space
 from utils.core.files import write_json_atomic
+from utils.core.lock import is_held
 from utils.monitor.memory import format_memory
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,23 @@ def read_run_record(run_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+DIED = "stopped without a word (killed, or its node was lost): no live process holds its directory"
+
+
+def mark_if_dead(run_dir: Path, locked: bool = False) -> dict:
+    """``run_dir``'s record; one that says ``running`` while no live process holds the directory (``locked``: the
+    caller holds it itself) is a run that died without a word (SIGKILL, a lost node): it is marked
+    ``interrupted`` in ``run.json`` (when the file can be written) and returned so."""
+    record = read_run_record(run_dir)
+    if record.get("status") == "running" and (locked or not is_held(run_dir)):
+        record.update(status="interrupted", error=DIED)
+        try:
+            write_json_atomic(Path(run_dir) / "run.json", record)
+        except OSError:
+            pass  # a read-only copy of the run: reported as interrupted all the same
+    return record
 
 
 def tensorboard_tag(key: str) -> str:

@@ -10,98 +10,166 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import re
+import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from utils.config.schema import LoggingConfig
+from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
-from utils.monitor.reporter import now, read_run_record
+from utils.core.lock import LOCK_FILE, DirectoryLock, Held, is_held
+from utils.monitor.reporter import mark_if_dead, now, read_run_record
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_parent(logging_cfg: LoggingConfig, config_name: str, world_size: int) -> Path:
-    """``<expdir>/<config>/<N>GPU``: the folder of this config's runs at this world size."""
-    return Path(logging_cfg.expdir) / config_name / f"{world_size}GPU"
+def run_parent(logging_cfg: LoggingConfig, config_name: str, world_size: int, cuda: bool = True) -> Path:
+    """``<expdir>/<config>/<N>GPU`` (``<N>CPU`` for a job without GPUs): the folder of this config's runs at this
+    world size."""
+    return Path(logging_cfg.expdir) / config_name / f"{world_size}{'GPU' if cuda else 'CPU'}"
 
 
 # keys that may differ between a run and the command that continues it
 CONTINUATION_KEYS = ("run_num", "description", "num_iters", "resume", "checkpoint_every_steps",
-                     "checkpoint_every_minutes", "keep_checkpoints", "async_checkpoint", "log_every",
-                     "num_data_workers", "rendezvous_timeout_s", "collective_timeout_s")
+                     "checkpoint_every_minutes", "keep_checkpoints", "async_checkpoint", "checkpoint_checksums",
+                     "log_every", "num_data_workers", "rendezvous_timeout_s", "collective_timeout_s")
 
 
 @dataclass
-class RunDir:
-    """This run's directory; ``resume``: continue the run already in it from its latest checkpoint."""
+class RunDir(Component):
+    """This run's directory; ``resume``: continue the run already in it from its latest checkpoint; ``note``: what
+    the command decided, for the log; ``lock``: the directory's lock, held by rank 0 until :meth:`close`."""
 
     path: Path
     resume: bool = False
+    note: str = ""
+    lock: DirectoryLock | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "lock": None}  # sent to the other ranks without rank 0's lock
+
+    def close(self, error: BaseException | None) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
-def open_run_dir(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int,
-                 flat_config: dict) -> RunDir:
-    """The directory of this run: a new one, or (``resume`` auto) the unfinished run this command continues.
+def open_run_dir(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int, flat_config: dict,
+                 cuda: bool = True) -> RunDir:
+    """The directory of this run, locked: a new one, or the run this command continues (rank 0 only).
 
-    ``--run_num auto`` continues the newest run of this config and world size when its config is the
-    same (up to :data:`CONTINUATION_KEYS`) and it can go on; otherwise it takes the next free number.
-    An explicit ``--run_num`` continues that run, or starts it when the directory is new.
+    ``--run_num auto`` looks at this config's runs at this world size, newest first, for one whose recorded
+    config is the command's (up to :data:`CONTINUATION_KEYS`): a run in use by a live process is skipped; a
+    complete one ends the command (nothing to do); one with a checkpoint is continued; one that stopped before
+    its first checkpoint is started again in its directory. Without such a run (or with ``--resume never``) it
+    takes the next free number. An explicit ``--run_num`` is that directory, decided the same way. A run found
+    ``running`` with no live owner died without a word (SIGKILL, a lost node): it is marked ``interrupted``.
 
     Raises:
         NothingToDo: the run is complete (``num_iters`` reached): nothing to do.
-        UserError: the run cannot be continued (``--resume never``, or no checkpoint to resume
-            from), or the directory cannot be created.
+        UserError: the explicit run directory is in use by a live run (naming its host and pid) or holds a
+            run and ``--resume never`` was given, or the directory cannot be created.
     """
-    parent = run_parent(logging_cfg, config_name, world_size)
+    parent = run_parent(logging_cfg, config_name, world_size, cuda)
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        continued = continued_run(logging_cfg, resume, config_name, world_size, flat_config)
-        if continued is not None:
-            return RunDir(continued, True)
         if logging_cfg.run_num != "auto":
-            return RunDir(_claim(parent / logging_cfg.run_num))
-        return RunDir(_claim_next(parent))
+            path = parent / logging_cfg.run_num
+            path.mkdir(exist_ok=True)
+            return _take(path, resume, flat_config, explicit=True)
+        skipped = []
+        for path in _matching_runs(parent, flat_config) if resume == "auto" else []:
+            try:
+                return _take(path, resume, flat_config, explicit=False)
+            except Held as held:
+                skipped.append(f"run {path.name} (the same config) is in use by {held.owner}")
+        run = _take(_claim_next(parent), resume, flat_config, explicit=False)
+        run.note = "; ".join([*skipped, f"starting run {run.path.name}"])
+        return run
     except OSError as exc:
         raise UserError(f"cannot create run directory under {parent} ({exc.strerror or exc}); "
                         "pass a writable --expdir") from None
 
 
-def continued_run(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int,
-                  flat_config: dict) -> Path | None:
-    """The run directory this command continues (see :func:`open_run_dir`), or None for a new run.
-    Reads only: creates nothing.
+def _take(path: Path, resume: str, flat_config: dict, explicit: bool) -> RunDir:
+    """``path`` locked, and what this command does with the run in it (see :func:`open_run_dir`).
 
     Raises:
-        NothingToDo, UserError: as :func:`open_run_dir`.
+        Held: ``path`` is in use (not ``explicit``); as :func:`open_run_dir` otherwise.
     """
-    parent = run_parent(logging_cfg, config_name, world_size)
-    if not parent.is_dir():
-        return None
+    try:
+        lock = DirectoryLock(path).acquire()
+    except Held as held:
+        if not explicit:
+            raise
+        raise UserError(f"run directory {path} is in use by a live run ({held.owner}); wait for it to end, or pass "
+                        "another --run_num (--run_num auto takes the next free one)") from None
+    try:
+        return _decide(path, resume, flat_config, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _decide(path: Path, resume: str, flat_config: dict, lock: DirectoryLock) -> RunDir:
+    """What to do with the run in ``path``, which this process has locked."""
+    if not holds_run(path):
+        return RunDir(path, False, f"starting run {path.name}", lock)
+    record = mark_if_dead(path, locked=True)
+    if resume != "auto":
+        raise UserError(f"run directory {path} already holds a run; continue it with --resume auto, or pass a new "
+                        "--run_num (--run_num auto takes the next free one)")
+    if record.get("status") == "completed" and record.get("config", {}).get("num_iters", 0) >= flat_config["num_iters"]:
+        raise NothingToDo(f"run {path} is complete ({record['config']['num_iters']} iterations); raise --num_iters to "
+                          "continue it, or pass --resume never (or a new --run_num) for another run")
+    if has_checkpoint(path):
+        return RunDir(path, True, f"continuing run {path.name} from its latest checkpoint", lock)
+    _clear(path)
+    return RunDir(path, False, f"run directory {path} held a run that stopped before its first checkpoint: starting "
+                               "it again", lock)
+
+
+def find_run(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int, flat_config: dict,
+             cuda: bool = True) -> Path | None:
+    """The run directory :func:`open_run_dir` would continue, without locking or changing anything; None for a
+    new run (also when the run found is in use).
+
+    Raises:
+        NothingToDo: the run is complete.
+    """
+    parent = run_parent(logging_cfg, config_name, world_size, cuda)
     if logging_cfg.run_num != "auto":
-        path = parent / logging_cfg.run_num
-        return path if _holds_run(path) and _continues(path, resume, flat_config, explicit=True) else None
-    newest = _newest_run(parent)
-    if resume == "auto" and newest is not None and _same_run(newest, flat_config) and \
-            _continues(newest, resume, flat_config, explicit=False):
-        return newest
+        candidates = [parent / logging_cfg.run_num]
+    else:
+        candidates = _matching_runs(parent, flat_config) if resume == "auto" and parent.is_dir() else []
+    for path in candidates:
+        if not holds_run(path) or is_held(path):
+            continue
+        record = read_run_record(path)
+        if record.get("status") == "completed" and record.get("config", {}).get("num_iters", 0) >= flat_config["num_iters"]:
+            raise NothingToDo(f"run {path} is complete ({record['config']['num_iters']} iterations)")
+        return path if has_checkpoint(path) and resume == "auto" else None
     return None
 
 
-def _holds_run(path: Path) -> bool:
-    return path.is_dir() and any(path.iterdir())
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` holds anything of a run (its lock file aside)."""
+    return path.is_dir() and any(p.name != LOCK_FILE for p in path.iterdir())
 
 
-def _newest_run(parent: Path) -> Path | None:
-    numbered = [p for p in parent.iterdir() if re.fullmatch(r"\d+", p.name) and _holds_run(p)]
-    return max(numbered, key=lambda p: int(p.name), default=None)
+def _matching_runs(parent: Path, flat_config: dict) -> list[Path]:
+    """This parent's numbered runs whose recorded config is ``flat_config`` (up to :data:`CONTINUATION_KEYS`),
+    newest first."""
+    numbered = [p for p in parent.iterdir() if re.fullmatch(r"\d+", p.name) and holds_run(p)]
+    return sorted((p for p in numbered if same_config(read_run_record(p).get("config", {}), flat_config)),
+                  key=lambda p: -int(p.name))
 
 
-def _same_run(path: Path, flat_config: dict) -> bool:
-    old = read_run_record(path).get("config", {})
-    return all(old.get(k) == v for k, v in flat_config.items() if k not in CONTINUATION_KEYS)
+def same_config(recorded: dict, flat_config: dict) -> bool:
+    """Whether a run's recorded config is ``flat_config`` in every key a continuation may not change."""
+    return all(recorded.get(k) == v for k, v in flat_config.items() if k not in CONTINUATION_KEYS)
 
 
 def has_checkpoint(path: Path) -> bool:
@@ -109,43 +177,23 @@ def has_checkpoint(path: Path) -> bool:
     return (path / "checkpoints" / "latest").is_file()
 
 
-def _continues(path: Path, resume: str, flat_config: dict, explicit: bool) -> bool:
-    """Whether this command continues the run in ``path`` (False: start a new run elsewhere).
-
-    Raises NothingToDo or UserError as :func:`open_run_dir` documents."""
-    record = read_run_record(path)
-    done = record.get("status") == "completed" and \
-        record.get("config", {}).get("num_iters", 0) >= flat_config["num_iters"]
-    if resume != "auto":
-        if explicit:
-            raise UserError(f"run directory {path} already holds a run; continue it with --resume auto, or pass "
-                            "a new --run_num (--run_num auto takes the next free one)")
-        return False
-    if done:
-        raise NothingToDo(f"run {path} is complete ({record['config']['num_iters']} iterations); raise "
-                          "--num_iters to continue it, or pass a new --run_num for another run")
-    if has_checkpoint(path):
-        return True
-    if explicit:
-        raise UserError(f"run directory {path} holds a run with no complete checkpoint to resume from; pass a "
-                        "new --run_num (--run_num auto takes the next free one), or move that directory away")
-    return False
+def _clear(path: Path) -> None:
+    """Remove a stopped run's files (its lock file aside), so the run started again mixes nothing with them."""
+    for item in path.iterdir():
+        if item.name == LOCK_FILE:
+            continue
+        shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
 
 
 def _claim_next(parent: Path) -> Path:
     while True:  # another job may claim the same number between the scan and mkdir
         taken = [int(p.name) for p in parent.iterdir() if re.fullmatch(r"\d+", p.name)]
+        path = parent / f"{max(taken, default=-1) + 1:02d}"
         try:
-            return _claim(parent / f"{max(taken, default=-1) + 1:02d}", auto=True)
+            path.mkdir()
+            return path
         except FileExistsError:
             continue
-
-
-def _claim(path: Path, auto: bool = False) -> Path:
-    if path.is_dir() and not any(path.iterdir()):
-        return path  # made by hand, empty: nothing to mix with
-    path.mkdir(exist_ok=not auto)
-    return path
 
 
 def git_state() -> dict[str, Any]:

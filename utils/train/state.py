@@ -73,9 +73,10 @@ class TrainState:
         self.resumed_step = self.step
 
     def per_rank_state_dict(self) -> dict[str, Any]:
-        """This rank's part: its epoch loss sum and random streams (torch CPU and CUDA, NumPy, Python)."""
+        """This rank's part: its epoch loss sum and random streams (torch CPU and CUDA, NumPy, Python), as plain
+        data (tensors, numbers, lists) that ``torch.load(weights_only=True)`` reads without running code."""
         state = {"epoch_loss_sum": self.epoch_loss_sum, "torch": torch.get_rng_state(),
-                 "numpy": np.random.get_state(), "python": random.getstate()}
+                 "numpy": numpy_rng_state(), "python": python_rng_state()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
         return state
@@ -84,7 +85,39 @@ class TrainState:
         if not self.resharded:
             self.epoch_loss_sum = float(state["epoch_loss_sum"])
         torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
+        set_numpy_rng_state(state["numpy"])
+        set_python_rng_state(state["python"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def numpy_rng_state() -> dict[str, Any]:
+    """NumPy's legacy global generator state (``np.random.get_state``) as plain data."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def set_numpy_rng_state(state: dict[str, Any] | tuple) -> None:
+    """Restore what :func:`numpy_rng_state` returned (or ``np.random.get_state()``'s tuple, as older checkpoints
+    hold it)."""
+    if isinstance(state, tuple):
+        np.random.set_state(state)
+        return
+    np.random.set_state((state["name"], state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"],
+                         state["cached_gaussian"]))
+
+
+def python_rng_state() -> dict[str, Any]:
+    """Python's ``random`` state as plain data."""
+    version, internal, gauss_next = random.getstate()
+    return {"version": version, "internal": list(internal), "gauss_next": gauss_next}
+
+
+def set_python_rng_state(state: dict[str, Any] | tuple) -> None:
+    """Restore what :func:`python_rng_state` returned (or ``random.getstate()``'s tuple, as older checkpoints hold
+    it)."""
+    if isinstance(state, tuple):
+        random.setstate(state)
+        return
+    random.setstate((state["version"], tuple(state["internal"]), state["gauss_next"]))

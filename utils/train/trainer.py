@@ -39,9 +39,9 @@ from utils.config.loading import to_yaml
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
 from utils.core.component import Component
-from utils.core.errors import NonFiniteError, NothingToDo, UserError
+from utils.core.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preempted, UserError
 from utils.core.logs import setup_logging
-from utils.core.signals import PreemptionFlag
+from utils.core.signals import install, signal_name
 from utils.data.loaders import build_data
 from utils.evaluation.evaluator import Evaluator, nonfinite_samples
 from utils.evaluation.scoring import lead_hours
@@ -80,11 +80,7 @@ class Trainer:
                  extra: ExtraComponents | None = None):
         self.world, self.device = world, world.device
         register_pinned_memory()  # before the loaders page-lock their buffers
-        # from the start, so a signal during startup also ends in a checkpoint; without checkpoints a
-        # signal keeps its default action: stop at once
-        self.preemption = PreemptionFlag()
-        if cfg.checkpoint.save_checkpoint:
-            self.preemption.install()
+        self.preemption = install()  # train.py installed it first thing; in-process use installs it here
         self.local_bs, self.global_bs = batch_sizes(cfg.optim, world.dp)
         self.accum = cfg.optim.grad_accum_steps
         self.data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed,
@@ -103,6 +99,7 @@ class Trainer:
         self.cfg = cfg = copy.deepcopy(cfg)
         recorded.logging.run_num = cfg.logging.run_num = self.run_dir.name
         setup_logging(self.run_dir / "out.log" if world.is_main else None, world.rank)
+        log.info("%s", run.note)
         self._log_world()
         # first, so the allocator history an OOM snapshot holds covers the model's construction
         self.oom = OutOfMemoryHandler(cfg.memory, self.run_dir / "memory", world.rank, self.device, self.local_bs)
@@ -117,8 +114,8 @@ class Trainer:
     def _open_run_dir(recorded: Config, world: World) -> RunDir:
         """The run directory (new, or the run this command continues), chosen by rank 0."""
         c = recorded
-        return main_decides(lambda: open_run_dir(c.logging, c.checkpoint.resume, c.name, world.world_size,
-                                                 c.flat()), world, (UserError, NothingToDo))
+        return main_decides(lambda: open_run_dir(c.logging, c.checkpoint.resume, c.name, world.world_size, c.flat(),
+                                                 world.device.type == "cuda"), world, (UserError, NothingToDo))
 
     def _log_world(self) -> None:
         w = self.world
@@ -153,7 +150,8 @@ class Trainer:
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.reporter = Reporter(lg, self.run_dir if world.is_main else None, self.evaluator.key_channels,
-                                 run_record(cfg.name, recorded.flat(), self._world_info()), to_yaml(recorded),
+                                 run_record(cfg.name, recorded.flat(), self._world_info()),
+                                 to_yaml(recorded, exclude=("run_num",)),
                                  self._metric_tags(), math.ceil(cfg.optim.num_iters / self.steps_per_epoch),
                                  self.last_loss)
         self.checkpoint = CheckpointManager(cfg.checkpoint, self.run_dir / "checkpoints", self.model, self.optimizer,
@@ -162,7 +160,7 @@ class Trainer:
                                             export_meta={"config": cfg.flat()})
         self.components: list[Component] = [self.profiler, self.memory_profile, self.memory, self.evaluator,
                                             *(extra(self.run_dir) if extra else []), self.reporter, self.checkpoint,
-                                            self.oom, self.data]
+                                            self.oom, self.data, run]
         self._resume(run)
         for component in self.components:
             component.start(self.state)
@@ -224,6 +222,7 @@ class Trainer:
         log.info("training %d iterations: %d epoch%s of %d steps (%d samples/epoch); run directory %s",
                  state.total_steps, n_epochs, "" if n_epochs == 1 else "s", self.steps_per_epoch,
                  self.steps_per_epoch * self.global_bs, self.run_dir)
+        self._stop_if_signalled()
         record: dict = {}
         while not state.done:
             state.epoch_end = min(self.steps_per_epoch, state.epoch_step + state.total_steps - state.step)
@@ -231,6 +230,16 @@ class Trainer:
             for component in self.components:
                 component.epoch_end(state, record)
         return record
+
+    def _stop_if_signalled(self) -> None:
+        """A signal during start-up (every rank agrees): stop before the first step; nothing was trained, so
+        nothing is lost."""
+        flag = torch.tensor(float(self.preemption.signum), device=self.device)
+        signum = int(all_reduce(flag, self.world, op=dist.ReduceOp.MAX).item())
+        if signum:
+            raise Preempted(f"preempted by {signal_name(signum)} before iteration {self.state.step + 1}: nothing "
+                            f"trained since the last checkpoint; exit status {EXIT_PREEMPTED}; run the same command "
+                            "to go on" if self.world.is_main else "")
 
     def _hooks(self, name: str) -> None:
         for component in self.components:

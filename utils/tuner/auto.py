@@ -18,7 +18,7 @@ from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
 from utils.core.logs import setup_logging
 from utils.data.loaders import build_data
-from utils.train.run_dir import continued_run
+from utils.train.run_dir import find_run
 from utils.train.trainer import ExtraComponents
 from utils.tuner.tune import (AUTO_OBJECTIVE, TUNE_FILE, TuneResult, journal_path, out_path, recorded_choice, summary,
                               tune, with_batch, write_outputs)
@@ -45,8 +45,8 @@ def resolve_local_batch(cfg: Config, world: World) -> tuple[Config, ExtraCompone
     if cfg.optim.local_batch_size != AUTO:
         return cfg, None
     setup_logging(None, world.rank)  # the trials' progress, before the run's log file exists
-    run = cfg.logging, cfg.checkpoint.resume, cfg.name, world.world_size, cfg.flat()
-    prior = main_decides(lambda: recorded_choice(continued_run(*run)), world, (UserError, NothingToDo))
+    run = cfg.logging, cfg.checkpoint.resume, cfg.name, world.world_size, cfg.flat(), world.device.type == "cuda"
+    prior = main_decides(lambda: recorded_choice(find_run(*run)), world, (UserError, NothingToDo))
     if prior is not None:
         log.info("local batch auto: %d, as tuned when this run started", prior[0])
         return with_batch(cfg, *prior), None
