@@ -72,7 +72,7 @@ def reference_run(tmp_path_factory, data: Path, args: list[str], ranks: int):
 
 
 def run_path(workdir: Path, ranks: int, num: str = "00") -> Path:
-    return workdir / "runs" / "tiny" / f"{ranks}GPU" / num
+    return workdir / "runs" / "tiny" / f"{ranks}CPU" / num
 
 
 def final_state(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:

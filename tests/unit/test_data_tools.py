@@ -16,7 +16,7 @@ from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REAL_SAMPLE = REPO.parent / "shared" / "data" / "era5-levels-members.nc"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tools.compare_runs import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHANNELS = ["u10m", "v10m", "t2m", "sp", "msl"]
 OTHER_CHANNELS = ["u10m", "v10m", "sp", "msl", "z500"]  # tiny/2GPU/01's
 COMMON = ["u10m", "v10m", "sp", "msl"]

@@ -4,7 +4,7 @@ A small ViT with Adam, LambdaLR, a disabled GradScaler and a toy stateful with p
 few steps, is saved, takes more, and is loaded into fresh objects, which must hold bitwise the saved
 state: one process, DDP, FSDP2, and FSDP checkpoints loaded on other world sizes. Also retention,
 skipping broken checkpoints, interrupted and async saves, a full disk, and the export tool
-(tensor-parallel checkpoints: ``tests/test_tp_checkpoint.py``).
+(tensor-parallel checkpoints: ``tests/multiprocess/test_tp_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from utils.config.loading import load_config, to_yaml
 from utils.core.errors import UserError
 from utils.config.schema import CheckpointConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(img_size=(8, 16), patch_size=4, in_chans=2, out_chans=2, embed_dim=16, depth=2, num_heads=2)
 # the same model as a config (for config.yaml and the export tool)
 SMALL_CONFIG = {"img_size": [8, 16], "patch_size": 4, "n_in_channels": 2, "n_out_channels": 2, "embed_dim": 16,
@@ -374,7 +374,7 @@ def _export(*args, cwd: Path) -> subprocess.Popen:
 
 
 def test_export_tool(tmp_path):
-    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "00"
+    run_dir = tmp_path / "runs" / "tiny" / "1CPU" / "00"
     run_dir.mkdir(parents=True)
     cfg = load_config("config/ViT.yaml", "tiny", SMALL_CONFIG)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dist_utils import run_distributed
+from tests.dist_utils import run_distributed
 from distributed.checkpoint import staging as host_staging
 from distributed.checkpoint.staging import HostStager
 

@@ -22,7 +22,7 @@ def last_metrics(run_dir):
 def single(tiny_data, tmp_path_factory):
     expdir = tmp_path_factory.mktemp("single")
     state = train_checkpoint(tiny_params(tiny_data, expdir, **STEPS))
-    return state, last_metrics(expdir / "tiny" / "1GPU" / "00")
+    return state, last_metrics(expdir / "tiny" / "1CPU" / "00")
 
 
 @pytest.mark.parametrize("world_size,overrides", [
@@ -33,7 +33,7 @@ def single(tiny_data, tmp_path_factory):
 ])
 def test_model_parallel_training_matches_single_process(tiny_data, tmp_path, single, world_size, overrides):
     run_distributed(train_on_ranks, world_size, str(tiny_data), str(tmp_path), {**STEPS, **overrides})
-    run_dir = tmp_path / "tiny" / f"{world_size}GPU" / "00"
+    run_dir = tmp_path / "tiny" / f"{world_size}CPU" / "00"
     state, metrics = single
     assert_state_close(state, torch.load(run_dir / "checkpoints" / "model.pt")["model"], atol=1e-5)
     # reported losses are averaged over data-parallel ranks only, never summed over tp/cp peers

@@ -18,7 +18,7 @@ def single(tiny_data, tmp_path_factory):
 
 def _distributed(tiny_data, tmp_path, world_size, **overrides):
     run_distributed(train_on_ranks, world_size, str(tiny_data), str(tmp_path), {**STEPS, **overrides})
-    return torch.load(tmp_path / "tiny" / f"{world_size}GPU" / "00" / "checkpoints" / "model.pt")["model"]
+    return torch.load(tmp_path / "tiny" / f"{world_size}CPU" / "00" / "checkpoints" / "model.pt")["model"]
 
 
 @pytest.mark.parametrize("mode,prefetch", [("zero3", 1), ("zero2", 0), ("zero3", 2)])

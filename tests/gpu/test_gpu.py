@@ -77,7 +77,7 @@ def _train_cli(tmp_path, tiny_data, *args, launcher=()):
     from pathlib import Path
 
     from tests.dist_utils import subprocess_env
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return subprocess.run([*(launcher or [sys.executable]), str(root / "train.py"), "--config", "tiny",
                            "--data_path", str(tiny_data), "--expdir", str(tmp_path), "--num_iters", "8",
                            "--limit_nsamples", "64", "--log_every", "1000", *args],

@@ -9,7 +9,7 @@
   scorecard files, lead-1 scores equal to the training run's validation, every way of naming a
   checkpoint, saved forecasts against the model applied by hand, ``--init_every``, two ranks.
 
-The bad-input cases of evaluate.py are in tests/test_bad_inputs.py.
+The bad-input cases of evaluate.py are in tests/e2e/test_bad_inputs.py.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from utils.data.stats import Stats
 from utils.evaluation.scoring import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
 from utils.evaluation.metrics import latitude_weights
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Two tiny runs (tests/jobs.py RUN: 64 training samples, 8 steps per epoch, checkpoints every 5 steps, the last 2
 # kept) of 2 epochs, validating on the whole valid split (limit_nsamples_val null) after each: one scoring 3 rollout
 # steps, one the default single step. Their checkpoints: steps 15 and 16.
-# tests/test_bad_inputs.py asks for ROLLOUT_RUN too; reference_run trains it once per session.
+# tests/e2e/test_bad_inputs.py asks for ROLLOUT_RUN too; reference_run trains it once per session.
 ROLLOUT_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
                "--key_channels", "[u10m,t2m]"]
 ONE_STEP_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null"]

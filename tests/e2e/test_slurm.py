@@ -1,6 +1,6 @@
 """submit_pm.sh end to end on a real (throw-away, one-node) SLURM cluster, plus dry-run checks.
 
-The cluster comes from ``tests/slurm/slurm_cluster.sh`` (Debian's Slurm 22.05 + munge, installed
+The cluster comes from ``tests/e2e/slurm/slurm_cluster.sh`` (Debian's Slurm 22.05 + munge, installed
 with apt-get when missing). The slurm tests need root; they are skipped without root or apt-get,
 except under CI (``CI`` set), where that is an error.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUBMIT = REPO / "submit_pm.sh"
-CLUSTER = REPO / "tests" / "slurm" / "slurm_cluster.sh"
+CLUSTER = REPO / "tests" / "e2e" / "slurm" / "slurm_cluster.sh"
 SLURM_CMDS = ("slurmctld", "slurmd", "sbatch", "munged")
 
 # CPU overrides that make the GPU-node script run on a GPU-less cluster (see submit_pm.sh's header):
@@ -292,7 +292,7 @@ def test_submit_pm_preempted_job_requeues_and_resumes_exactly(slurm_cluster, tin
         jobs[name] = _submit(["sbatch", "-N1", "-n", "2", *CPU_OVERRIDES, "-J", name, "-o", str(tmp_path / "%x-%j.out"),
                               str(SUBMIT), *args, "--expdir", str(expdir)], job_env)
     diag = lambda: f"jobs: {jobs}\n" + _diag(tmp_path, cdir)  # noqa: E731
-    run = tmp_path / "preempted" / "tiny" / "2GPU" / "00"
+    run = tmp_path / "preempted" / "tiny" / "2CPU" / "00"
     _wait_until(lambda: (run / "checkpoints" / "latest").exists(), "first checkpoint of the preempted job", 300,
                 list(jobs.values()), env, diag)
     t_signal = time.monotonic() - t0
@@ -324,7 +324,7 @@ def test_submit_pm_preempted_job_requeues_and_resumes_exactly(slurm_cluster, tin
     assert not re.search(r"^preempted|resumed at iteration", reference_text, re.M), diag()
 
     got = torch.load(run / "checkpoints" / "model.pt", map_location="cpu")
-    want = torch.load(tmp_path / "reference" / "tiny" / "2GPU" / "00" / "checkpoints" / "model.pt", map_location="cpu")
+    want = torch.load(tmp_path / "reference" / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt", map_location="cpu")
     assert got["step"] == want["step"] == num_iters, (got["step"], want["step"])
     assert got["model"].keys() == want["model"].keys()
     differ = [k for k in want["model"] if not torch.equal(got["model"][k], want["model"][k])]

@@ -34,7 +34,7 @@ from distributed.tensor_parallel import apply_tensor_context_parallel, checkpoin
 from distributed.world import World
 from networks.vit import VisionTransformer, build_model
 from tests.dist_utils import run_distributed
-from tests.test_checkpoint import assert_same
+from tests.multiprocess.test_checkpoint import assert_same
 from utils.config.loading import load_config, to_yaml
 from utils.config.schema import CheckpointConfig
 

@@ -19,7 +19,7 @@ from tests.train_utils import assert_state_close, tiny_params, train_checkpoint,
 def test_tiny_run_learns_and_logs(tiny_data, tmp_path):
     params = tiny_params(tiny_data, tmp_path, num_iters=60, valid_every=1)
     sd = train_checkpoint(params)
-    run_dir = tmp_path / "tiny" / "1GPU" / "00"
+    run_dir = tmp_path / "tiny" / "1CPU" / "00"
     log_text = (run_dir / "out.log").read_text()
     assert "memory: peak RSS" in log_text and "samples/s" in log_text
     assert (run_dir / "config.yaml").is_file()
@@ -66,7 +66,7 @@ def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, accum):
     overrides = {"num_iters": 5, "global_batch_size": 8}
     single = train_checkpoint(tiny_params(tiny_data, tmp_path / "single", **overrides))
     run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "ddp"), {**overrides, "grad_accum_steps": accum})
-    ddp = torch.load(tmp_path / "ddp" / "tiny" / "2GPU" / "00" / "checkpoints" / "model.pt")["model"]
+    ddp = torch.load(tmp_path / "ddp" / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt")["model"]
     assert_state_close(single, ddp, atol=1e-5)
 
 

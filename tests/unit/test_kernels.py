@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from distributed.parallelize import apply_packed_attention
 from kernels.cudnn_attention import packed_attention
 from networks.vit import VisionTransformer
-from tests.test_config import load_cfg
+from tests.unit.test_config import load_cfg
 from utils.core.errors import UserError
 from utils.config.validate import Launch, validate
 

@@ -1,6 +1,6 @@
 """Bounded rendezvous and failure propagation, with real stores, processes and timeouts.
 
-The multi-process tests run this file as a script: ``python tests/test_rendezvous.py <scenario>``
+The multi-process tests run this file as a script: ``python tests/e2e/test_rendezvous.py <scenario>``
 is one rank (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` in its environment) that joins, starts
 gloo and a :class:`FailureChannel`, runs the scenario and handles errors the way an entry point
 does (report, print ``error: ...``, exit 2).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -20,7 +20,7 @@ from utils.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_ar
 from utils.config.cli import cli_config
 from utils.config.loading import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024**3
 WORLD = World(LaunchEnv(), torch.device("cpu"))  # one process: no collective
 

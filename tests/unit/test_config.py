@@ -19,7 +19,7 @@ from utils.core.errors import UserError
 from utils.config.schema import Config, KEYS
 from utils.config.validate import Launch, batch_sizes, validate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "config" / "ViT.yaml"
 LADDER = [16, 32, 64, 128, 256, 512, 1024, 2048]
 NAMES = (["base", "short", "short_opt", "opt"] + [f"bs{n}_opt" for n in LADDER]

@@ -14,7 +14,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from tests.dist_utils import free_port, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
          "--log_every", "1000", "--save_checkpoint", "false"]
 
@@ -36,9 +36,9 @@ def four_runs(tiny_data, tmp_path_factory):
         for lr in ("1e-3", "3e-3"):
             proc = _train(tmp, tiny_data, "--lr", lr, ranks=ranks)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    runs = sorted((tmp / "runs" / "tiny").glob("*GPU/*"))
+    runs = sorted((tmp / "runs" / "tiny").glob("*CPU/*"))
     assert [r.relative_to(tmp / "runs" / "tiny").as_posix() for r in runs] == \
-        ["1GPU/00", "1GPU/01", "2GPU/00", "2GPU/01"]  # --run_num auto numbers them
+        ["1CPU/00", "1CPU/01", "2CPU/00", "2CPU/01"]  # --run_num auto numbers them
     return tmp, runs
 
 

@@ -30,7 +30,7 @@ def test_checkpoint_benchmark_measures_every_kind_of_save(tiny_data, tmp_path):
     launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, "benchmarks/checkpoint.py", "--config", "tiny", "--fsdp", "zero3", "--data_path",
            str(tiny_data), "--dir", str(tmp_path / "ckpt"), "--steps", "2", "--async_steps", "2", "--out", str(out)]
-    procs = [subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], text=True, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=subprocess_env(**launch, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -119,7 +119,7 @@ def test_fp8_parity_end_to_end_on_cpu(tiny_data, tmp_path):
            "--modes", "none", "bf16", "--seeds", "0", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out),
            "--", "--attention_backend", "auto", "--enable_jit", "false", "--num_data_workers", "0",
            "--num_iters", "2", "--limit_nsamples", "8", "--limit_nsamples_val", "8"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["torch"] and saved["modes"] == ["none", "bf16"]

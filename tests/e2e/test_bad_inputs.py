@@ -21,7 +21,7 @@ import pytest
 
 from tests.dist_utils import free_port, launch_entry, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- ways to spoil a copy of the tiny data
@@ -262,7 +262,7 @@ def test_full_disk_during_checkpoint_stops_every_rank_with_one_line(tiny_data, t
                                                  "--checkpoint_every_steps", "5"], tmp_path, 2)
         for proc in procs:  # every rank writes its own shards, so every rank meets the full disk
             assert_one_line_error(proc, ["writing checkpoint", "No space left on device", "free"])
-        run_dir = next(disk.glob("tiny/2GPU/*"))
+        run_dir = next(disk.glob("tiny/2CPU/*"))
         assert not list(run_dir.glob("checkpoints/*.tmp")) and not list(run_dir.glob("checkpoints/step_*"))
         assert '"status": "failed"' in (run_dir / "run.json").read_text()
     finally:
@@ -271,7 +271,7 @@ def test_full_disk_during_checkpoint_stops_every_rank_with_one_line(tiny_data, t
 
 # ---------------------------------------------------------------- evaluate.py
 # A tiny run validated with 3 rollout steps, checkpoints at steps 15 and 16 (the last 2 kept): the arguments of ROLLOUT_RUN in
-# tests/test_evaluation.py, so a session that runs both files trains it once (tests/jobs.py reference_run).
+# tests/e2e/test_evaluation.py, so a session that runs both files trains it once (tests/jobs.py reference_run).
 # Its valid split is one file of 48 time steps (tests/conftest.py).
 EVAL_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
             "--key_channels", "[u10m,t2m]"]

@@ -23,7 +23,7 @@ from utils.data.loaders import build_data  # noqa: E402
 from utils.data.dali import DRAIN_LIMIT  # noqa: E402
 from utils.core.errors import UserError  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 BATCH = 8  # the tiny_data set has 94 train / 47 valid samples: neither splits into whole batches
 

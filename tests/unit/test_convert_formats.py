@@ -17,7 +17,7 @@ from utils.data.layout import LayoutError
 xr = pytest.importorskip("xarray")
 cftime = pytest.importorskip("cftime")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAT = np.array([-45.0, 0.0, 45.0])  # ascending: the converter writes it north to south
 LON = np.arange(4) * 90.0
 LEVELS = np.array([850.0, 500.0])

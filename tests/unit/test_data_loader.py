@@ -22,7 +22,7 @@ from utils.data.stats import Stats
 from utils.data.synthetic import SyntheticBatches
 from utils.core.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 C = 4  # channels of the `tiny` config
 IMG = (32, 64)  # img_size of the `tiny` config
 GRID = (34, 67)  # stored grid, larger than IMG so that cropping matters
