@@ -88,7 +88,7 @@ def test_compare_runs_table_json_and_plots(four_runs):
     lines = proc.stdout.splitlines()
     header = lines[0] + lines[1]  # two header rows
     assert "lr" in header and "world_size" in header and "samples/s" in header and "depth" not in header
-    assert [line.split()[0] for line in lines[2:6]] == ["1GPU/00", "1GPU/01", "2GPU/00", "2GPU/01"]
+    assert [line.split()[0] for line in lines[2:6]] == ["1CPU/00", "1CPU/01", "2CPU/00", "2CPU/01"]
     for name in ("valid_loss.png", "rmse_u10m.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(subprocess.run([sys.executable, "-m", "tools.compare_runs", *map(str, runs), "--json",
@@ -103,7 +103,7 @@ def test_compare_runs_table_json_and_plots(four_runs):
 def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
     first = _train(tmp_path, tiny_data, "--run_num", "07")
     assert first.returncode == 0, first.stderr
-    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "07"
+    run_dir = tmp_path / "runs" / "tiny" / "1CPU" / "07"
     metrics = (run_dir / "metrics.jsonl").read_text()
     again = _train(tmp_path, tiny_data, "--run_num", "07")  # the same command: the run is complete
     assert again.returncode == 0 and "is complete (16 iterations)" in again.stdout, again.stderr
@@ -115,4 +115,4 @@ def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
     assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing appended
     fresh = _train(tmp_path, tiny_data, "--lr", "5e-3")  # another config: a new run number
-    assert fresh.returncode == 0 and (tmp_path / "runs" / "tiny" / "1GPU" / "08").is_dir()
+    assert fresh.returncode == 0 and (tmp_path / "runs" / "tiny" / "1CPU" / "08").is_dir()

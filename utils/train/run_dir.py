@@ -126,6 +126,9 @@ def _decide(path: Path, resume: str, flat_config: dict, lock: DirectoryLock) -> 
                           "continue it, or pass --resume never (or a new --run_num) for another run")
     if has_checkpoint(path):
         return RunDir(path, True, f"continuing run {path.name} from its latest checkpoint", lock)
+    if record.get("status") == "completed":
+        raise UserError(f"run directory {path} holds a complete run with no complete checkpoint to resume from; "
+                        "pass a new --run_num (--run_num auto takes the next free one)")
     _clear(path)
     return RunDir(path, False, f"run directory {path} held a run that stopped before its first checkpoint: starting "
                                "it again", lock)
