@@ -27,7 +27,7 @@ train: setup data
 	$(BIN)/python train.py --yaml_config config/ViT.yaml --config tiny
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 era5_sample: setup
 	$(BIN)/python -m tools.convert_era5 --input $(ERA5_SAMPLE_NC) --out data/era5_sample \

@@ -2,6 +2,7 @@
 
     python train.py --config short [--<key> <value> ...]
     python train.py --help [KEY] | --list-configs | --print-config
+    python train.py --config vit_2b --fsdp zero3 --simulate_world_size 256 --local_batch_size 4   (docs/planning.md)
     torchrun --nproc_per_node=4 train.py --config bs64_opt
     sbatch submit_pm.sh --config=short
 
@@ -30,13 +31,21 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") 
     if cfg is None:  # --help, --list-configs or --print-config
         return
     from distributed.launch import detect_launch, validation_launch
+    from distributed.simulate import dry_run_wanted, simulation_config
     from distributed.world import distributed_session
     from utils.config.validate import validate
     from utils.train.trainer import run
-    from utils.tuner.auto import resolve_local_batch
+    from utils.tuner.auto import reject_tuner_keys, resolve_local_batch
 
     launch = detect_launch()
+    if dry_run_wanted(cfg.parallel):  # a simulated job without a GPU: checked, stepped on fake tensors, its plan printed
+        from utils.tuner.plan import plan_job
+        from utils.tuner.tune import without_tuner_keys
+        print(plan_job(cfg, without_tuner_keys(argv), launch), flush=True)
+        return
+    reject_tuner_keys(argv, cfg)
     validate(cfg, validation_launch(launch))
+    cfg = simulation_config(cfg)  # a simulated rank (distributed/simulate.py) writes no checkpoint
     with distributed_session(cfg.parallel, launch) as world:
         resolved, extra = resolve_local_batch(cfg, world)
         run(resolved, world, cfg, extra)

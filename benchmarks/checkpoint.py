@@ -30,9 +30,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import Results, table  # noqa: E402
-from distributed.checkpoint.export import save_full_model
+from distributed.checkpoint.export import save_full_model  # noqa: E402
 from distributed.checkpoint.sharded import ShardedCheckpoints  # noqa: E402
-from distributed.launch import detect_launch
+from distributed.launch import detect_launch  # noqa: E402
 from distributed.world import all_reduce, distributed_session  # noqa: E402
 from utils.config.cli import cli_config  # noqa: E402
 from utils.core.errors import ArgumentParser  # noqa: E402
@@ -81,8 +81,9 @@ def folder_gb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
 
 
-def manager(trainer: Trainer, directory: Path, asynchronous: bool) -> ShardedCheckpoints:
-    cfg = dataclasses.replace(trainer.cfg.checkpoint, async_checkpoint=asynchronous, keep_checkpoints=1)
+def manager(trainer: Trainer, directory: Path, asynchronous: bool, checksums: bool = True) -> ShardedCheckpoints:
+    cfg = dataclasses.replace(trainer.cfg.checkpoint, save_checkpoint=True, async_checkpoint=asynchronous,
+                              keep_checkpoints=1, checkpoint_checksums=checksums)
     stateful = {"scheduler": trainer.scheduler, "scaler": trainer.scaler, "train_state": trainer.state}
     return ShardedCheckpoints(cfg, directory, trainer.model, trainer.optimizer, stateful, trainer.world)
 
@@ -97,40 +98,61 @@ def timed(trainer: Trainer, fn) -> float:
     return slowest(time.perf_counter() - t0, trainer)
 
 
-def measure(trainer: Trainer, root: Path, n_steps: int, async_steps: int) -> list[dict]:
+KINDS = ("gather", "sync", "async")
+
+
+def measure(trainer: Trainer, root: Path, n_steps: int, async_steps: int, kinds=KINDS) -> list[dict]:
     stepper = Stepper(trainer)
     for _ in range(3):  # warm-up
         stepper.step()
     step_s = statistics.median(slowest(stepper.step(), trainer) for _ in range(n_steps))
     rows = [{"what": "optimizer step (median)", "seconds": step_s}]
 
-    gather = root / "model.pt"
-    seconds = timed(trainer, lambda: save_full_model(trainer.model, gather))
-    rows.append({"what": "full-model gather to rank 0 (old per-epoch save)", "seconds": seconds,
-                 "size_gb": folder_gb(root) if trainer.world.is_main else None, "stall_s": seconds})
-    if trainer.world.is_main:
-        gather.unlink()
+    if "gather" in kinds:
+        gather = root / "model.pt"
+        seconds = timed(trainer, lambda: save_full_model(trainer.model, gather))
+        rows.append({"what": "full-model gather to rank 0 (old per-epoch save)", "seconds": seconds,
+                     "size_gb": folder_gb(root) if trainer.world.is_main else None, "stall_s": seconds})
+        if trainer.world.is_main:
+            gather.unlink()
+    if "sync" in kinds:
+        for checksums in (True, False):  # the checksums' cost: hashing while writing, verifying before loading
+            rows += sync_rows(trainer, stepper, root / "sync", step_s, async_steps, checksums)
+    if "async" in kinds:
+        rows += async_rows(trainer, stepper, root / "async", step_s, async_steps)
+    return rows
 
-    sync = manager(trainer, root / "sync", asynchronous=False)
-    rows.append(prepared(trainer, stepper, sync, step_s, async_steps, "sync"))
-    for label in ("first", "again"):
-        stepper.step()  # a new state to save
-        seconds = timed(trainer, lambda: sync.save(trainer.state.step))
-        size = folder_gb(sync.latest())
-        rows.append({"what": f"sharded save, sync ({label})", "seconds": seconds, "size_gb": size,
-                     "stall_s": seconds})
-    seconds = timed(trainer, lambda: sync.load(sync.latest()))
-    rows.append({"what": "sharded load", "seconds": seconds, "size_gb": size})
-    sync.close()
-    if trainer.world.is_main:
-        shutil.rmtree(root / "sync")
-    asynchronous = manager(trainer, root / "async", asynchronous=True)
+
+def async_rows(trainer: Trainer, stepper: Stepper, directory: Path, step_s: float, async_steps: int) -> list[dict]:
+    """The background allocation of host buffers, then two async saves (with checksums)."""
+    rows = []
+    asynchronous = manager(trainer, directory, asynchronous=True)
     rows.append(prepared(trainer, stepper, asynchronous, step_s, async_steps, "async"))
     for label in ("first", "again"):
         stepper.step()
         row = async_save(trainer, stepper, asynchronous, step_s, async_steps)
         rows.append({**row, "what": f"{row['what']} ({label})"})
     asynchronous.close()
+    return rows
+
+
+def sync_rows(trainer: Trainer, stepper: Stepper, directory: Path, step_s: float, async_steps: int,
+              checksums: bool) -> list[dict]:
+    """Sync saves (the first and a second) and a load, with or without checksums."""
+    sync = manager(trainer, directory, asynchronous=False, checksums=checksums)
+    note = "with checksums" if checksums else "without checksums"
+    rows = [prepared(trainer, stepper, sync, step_s, async_steps, "sync")] if checksums else []
+    for label in ("first", "again"):
+        stepper.step()  # a new state to save
+        seconds = timed(trainer, lambda: sync.save(trainer.state.step))
+        size = folder_gb(sync.latest())
+        rows.append({"what": f"sharded save, sync, {note} ({label})", "seconds": seconds, "size_gb": size,
+                     "stall_s": seconds})
+    seconds = timed(trainer, lambda: sync.load(sync.latest()))
+    rows.append({"what": f"sharded load, {note}", "seconds": seconds, "size_gb": size})
+    sync.close()
+    if trainer.world.is_main:
+        shutil.rmtree(directory)
     return rows
 
 
@@ -171,16 +193,18 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/ckpt_bench", help="where the checkpoints are written (emptied)")
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps timed for the median")
     ap.add_argument("--async_steps", type=int, default=10, help="steps run while an async save writes")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="which saves to measure")
     ap.add_argument("--out", required=True)
     args, rest = ap.parse_known_args()
     cfg = cli_config(rest, "vit_2b", "benchmarks/checkpoint.py")
     root = Path(args.dir)
     cfg.logging.expdir = str(root / "runs")
     cfg.checkpoint.resume = "never"
+    cfg.checkpoint.save_checkpoint = False  # the trainer writes none of its own: the managers here save
     with distributed_session(cfg.parallel, detect_launch()) as world:
         trainer = Trainer(cfg, world)
         try:
-            rows = measure(trainer, root, args.steps, args.async_steps)
+            rows = measure(trainer, root, args.steps, args.async_steps, args.kinds)
         finally:
             trainer.close()
         if world.is_main:

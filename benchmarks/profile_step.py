@@ -1,66 +1,144 @@
-"""Where a training step's GPU time goes: torch.profiler over a few steps, top kernels by CUDA time.
+"""Where a training step's time goes: torch.profiler over a few steps of the real trainer, top ops by device time.
 
-    python benchmarks/profile_step.py --config short_opt --data_loader_config synthetic --attention_backend cudnn
+    python benchmarks/profile_step.py --config short_opt --data_loader_config synthetic --out $OUT
+    python benchmarks/profile_step.py --config short_opt --data_loader_config synthetic --amp_modes bf16 bf16_pure fp8
 
-Takes the same ``--<key> <value>`` overrides as train.py (plus ``--rows N``, default 30). Prints the step time and a table of
-the most expensive kernels; writes a Chrome trace (open in chrome://tracing or Perfetto) with
-``--trace FILE``.
+Every option but those below is a ``train.py`` option. Per precision mode (``--amp_modes``; default the
+config's own) the trainer (``utils/train/trainer.py``) is built, ``--warmup_steps`` steps run (compilation
+happens there), ``--steps`` steps are timed without and then with the profiler, and the table of the
+``--rows`` ops with the most device time (CPU time on the CPU) is printed. With ``--out DIR`` each mode's
+step times and every op's averages (``key_averages``: calls, total and self device and CPU time in
+microseconds) go to ``DIR/profile_<config>_<mode>.json``; with ``--trace`` a Chrome trace per mode beside it
+(open in chrome://tracing or Perfetto). The modes run one after another in this process, each trainer
+closed before the next is built. One process: a single GPU or the CPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utils.core.errors import ArgumentParser, exit_status  # noqa: E402
 
-def main(argv: list[str]) -> int:
+KEPT_ROWS = 300  # ops saved per mode, by device time (a step has a few hundred distinct ops)
+
+
+def parser() -> ArgumentParser:
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        usage="%(prog)s [options] [train.py options]")
+    ap.add_argument("--amp_modes", nargs="+", choices=["none", "fp16", "bf16", "bf16_pure", "fp8"],
+                    help="profile each of these --amp_mode in turn (default: the config's)")
+    ap.add_argument("--warmup_steps", type=int, default=8, help="steps before timing (compilation happens here)")
+    ap.add_argument("--steps", type=int, default=5, help="steps timed, then profiled")
+    ap.add_argument("--rows", type=int, default=30, help="rows of the printed table")
+    ap.add_argument("--out", help="folder for the JSON of each mode (e.g. $OUT)")
+    ap.add_argument("--trace", action="store_true", help="also write a Chrome trace per mode into --out")
+    return ap
+
+
+def batches(loader):
+    """The loader's batches, epoch after epoch, without end."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def op_rows(averages, cuda: bool) -> list[dict]:
+    """``key_averages`` as plain rows, most device (CPU: CPU) time first; times in microseconds."""
+    rows = [{"name": e.key, "calls": e.count, "device_time_total_us": e.device_time_total,
+             "self_device_time_total_us": e.self_device_time_total, "cpu_time_total_us": e.cpu_time_total,
+             "self_cpu_time_total_us": e.self_cpu_time_total} for e in averages]
+    rows.sort(key=lambda r: r["device_time_total_us" if cuda else "cpu_time_total_us"], reverse=True)
+    return rows[:KEPT_ROWS]
+
+
+def profile_mode(cfg, world, args) -> dict:
+    """Build the trainer of ``cfg``, time and profile its steps; print the table; the mode's record."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed.world import init_distributed
-    from utils.config.loading import load_config, parse_overrides
     from utils.train.trainer import Trainer
 
-    overrides = parse_overrides(argv)
-    trace = overrides.pop("trace", None)
-    warmup, steps = int(overrides.pop("warmup_steps", 8)), int(overrides.pop("profile_steps_n", 5))
-    rows = int(overrides.pop("rows", 30))
-    cfg = load_config(overrides.pop("yaml_config", "config/ViT.yaml"), overrides.pop("config", "short_opt"),
-                      {"expdir": "/tmp/profile_runs", "save_checkpoint": "false", **overrides})
-    world = init_distributed(cfg.parallel)
+    cuda = world.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(world.device)) if cuda else (lambda: None)
     trainer = Trainer(cfg, world)
-    trainer.model.train()
+    try:
+        trainer.model.train()
+        it = batches(trainer.data.train)
 
-    def batches():
-        while True:
-            yield from trainer.data.train
+        def steps(n: int) -> float:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                trainer.train_step(it)
+                trainer.state.step += 1
+            sync()
+            return (time.perf_counter() - t0) / n * 1e3
 
-    it = batches()
-    for _ in range(warmup):
-        trainer.train_step(it)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(it)
-    torch.cuda.synchronize()
-    plain_ms = (time.perf_counter() - t0) / steps * 1e3
-    print(f"step {plain_ms:.1f} ms (not profiled), {trainer.global_bs / plain_ms * 1e3:.1f} samples/s")
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            trainer.train_step(it)
-        torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) / steps * 1e3
-    print(f"step {step_ms:.1f} ms (profiled), {trainer.global_bs / step_ms * 1e3:.1f} samples/s")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-    if trace:
-        prof.export_chrome_trace(trace)
-    trainer.close()
-    return 0
+        steps(args.warmup_steps)
+        plain_ms = steps(args.steps)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            profiled_ms = steps(args.steps)
+    finally:
+        trainer.close()
+    mode, samples = cfg.precision.amp_mode, trainer.global_bs
+    print(f"{cfg.name} --amp_mode {mode}: step {plain_ms:.1f} ms ({samples / plain_ms * 1e3:.1f} samples/s), "
+          f"profiled {profiled_ms:.1f} ms")
+    averages = prof.key_averages()
+    print(averages.table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=args.rows,
+                         max_name_column_width=70))
+    record = {"config": cfg.name, "amp_mode": mode, "global_batch": samples, "step_ms": plain_ms,
+              "samples_per_s": samples / plain_ms * 1e3, "profiled_step_ms": profiled_ms, "steps": args.steps,
+              "ops": op_rows(averages, cuda)}
+    if args.out and args.trace:
+        prof.export_chrome_trace(str(Path(args.out) / f"profile_{cfg.name}_{mode}.trace.json"))
+    return record
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    from distributed.launch import detect_launch, validation_launch
+    from distributed.world import distributed_session
+    from utils.config.cli import cli_config
+    from utils.config.validate import validate
+
+    args, rest = parser().parse_known_args(argv)
+    base = cli_config(rest, "short_opt", "benchmarks/profile_step.py")
+    if base is None:
+        return
+    if not any(a.split("=")[0] == "--expdir" for a in rest):
+        base.logging.expdir = "/tmp/profile_runs"
+    base.checkpoint.save_checkpoint, base.checkpoint.resume = False, "never"
+    launch = detect_launch()
+    configs = []
+    for mode in args.amp_modes or [base.precision.amp_mode]:
+        cfg = copy.deepcopy(base)
+        cfg.precision.amp_mode = mode
+        cfg.logging.run_num = f"profile_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"  # a new run: never one to continue
+        validate(cfg, validation_launch(launch))  # every mode's bad input before the first is built
+        configs.append(cfg)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    with distributed_session(base.parallel, launch) as world:
+        for cfg in configs:
+            record = profile_mode(cfg, world, args)
+            record.update(device=torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else "cpu",
+                          torch=torch.__version__, command=" ".join([sys.executable, __file__, *argv]))
+            if args.out:
+                path = Path(args.out) / f"profile_{cfg.name}_{cfg.precision.amp_mode}.json"
+                path.write_text(json.dumps(record, indent=1))
+                print(f"saved {path}")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_status(main, sys.argv[1:]))

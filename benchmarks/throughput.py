@@ -26,6 +26,7 @@ FAST = OPT + ["--attention_backend", "cudnn", "--compile_pdl", "true"]
 # FAST with attention on the packed QKV (kernels/cudnn_attention.py); a later argument overrides an earlier one
 PACKED = FAST + ["--attention_backend", "cudnn_packed"]
 FP8 = ["--amp_mode", "fp8"]
+PURE = ["--amp_mode", "bf16_pure"]
 SYNTH = ["--data_loader_config", "synthetic"]
 VARIANTS = {
     # the reference code's three setups (native loader)
@@ -55,6 +56,11 @@ VARIANTS = {
     "synthetic_fp8_packed": SYNTH + PACKED + FP8,
     "fp8_packed_w8": PACKED + FP8 + ["--num_data_workers", "8"],
     "fp8_packed_dali_w8": PACKED + FP8 + ["--data_loader_config", "dali", "--num_data_workers", "8"],
+    # round 3: a bf16 residual stream (--amp_mode bf16_pure)
+    "synthetic_pure": SYNTH + FAST + PURE,
+    "synthetic_pure_packed": SYNTH + PACKED + PURE,
+    "pure_packed_w8": PACKED + PURE + ["--num_data_workers", "8"],
+    "pure_packed_dali_w8": PACKED + PURE + ["--data_loader_config", "dali", "--num_data_workers", "8"],
 }
 DEFAULT = ("fp32_w0,fp32_w8,opt_w8,fast_w8,fast_dali_w8,synthetic_fp32,synthetic_bf16,synthetic_opt,"
            "synthetic_fast")

@@ -19,16 +19,9 @@ import torch.distributed as dist
 from distributed.rendezvous import arrive_and_wait, rank_list, store_address, wait_count
 from utils.core.errors import UserError
 
-
 _FAILURE = "failure"  # "<rank>\n<message>" of the first rank that reported
-
-
 _ACKS = "failure/acks"  # how many of the other ranks have seen the failure
-
-
 _LEFT = "failure/left"  # how many ranks other than rank 0 are done with the store
-
-
 _BEAT = "beat"  # beat/<rank>: a count each rank's watchdog bumps
 
 
@@ -46,35 +39,47 @@ class FailureChannel:
     is lost (rank 0 died or was stopped).
 
     Heartbeats: every watchdog bumps ``beat/<rank>`` about once a second, whatever the main thread
-    is doing. When ``silence_s`` is given, rank 0's watchdog reads all of them and, once some rank
-    has not beaten for ``silence_s`` (a stopped, frozen or vanished process: a live one beats even
-    while blocked), publishes the failure naming those ranks and the iteration rank 0 is at
-    (:meth:`note_step`), so every live rank stops with one line instead of waiting for the
-    collective timeout (or forever).
+    is doing. When ``silence_s`` is given, every rank watches the next one in a ring (rank r watches
+    r + 1, the last rank watches rank 0: every rank is watched, and the store's load grows with the number
+    of ranks, not its square) and, once it has not beaten for ``silence_s`` (a stopped, frozen or vanished
+    process: a live one beats even while blocked), publishes the failure naming it and the iteration this
+    rank is at (:meth:`note_step`), so every live rank stops with one line instead of waiting for the
+    collective timeout (or forever). Rank 0 hosts the store: when it stops or dies, every other rank
+    loses the store and names rank 0. A collective that fails because a peer died (a reset connection)
+    is explained by :meth:`explain` with the ranks that stopped beating.
 
     The channel uses its own connection (``store.clone()``), so its polls are never queued behind
-    a blocking store call of the main thread.
+    a blocking store call of the main thread. A store call does not time out when rank 0 is stopped
+    (SIGSTOP: its kernel still holds the connection open, so the client waits forever): a guard thread
+    stops the rank when any of the channel's store calls has been waiting ``silence_s`` (30 s without it).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, poll_s: float = 0.5,
                  silence_s: float | None = None):
-        self._store = store.clone()
+        self._pending: dict[int, float] = {}  # thread id -> when its store call began
+        self._store = _TimedStore(store.clone(), self._pending)
         self._store.set_timeout(timedelta(seconds=max(4 * poll_s, 2.0)))  # a hung rank 0 counts as lost
+        self._lost_after_s = silence_s or 30.0
         self._where = store_address(store)
         self._rank, self._world_size, self._poll_s = rank, world_size, poll_s
         self._ack_wait_s = 4 * poll_s + 1
         self._silence_s = silence_s
         self._step: int | None = None  # the iteration the main thread last noted
         self._beats = 0
-        self._heard: dict[int, tuple[bytes, float]] = {}  # rank 0: rank -> (last beat, when it changed)
+        self._heard: dict[int, tuple[bytes, float]] = {}  # watched rank -> (last beat, when it changed)
+        self._watched = [(rank + 1) % world_size] if world_size > 1 else []  # the ring's next rank
         self._lock = threading.Lock()
         self._speaker: str | None = None  # "report" or "watchdog": who prints this rank's one line
         self._status = 2  # the exit status of the failure the watchdog stops this rank for
-        self._closed = threading.Event()
+        self._report_line = ""  # what this rank's main thread reported
+        self._closed = threading.Event()  # the watchdog stops polling
+        self._done = threading.Event()  # the guard stops: the run ended normally
         self._thread = threading.Thread(target=self._watch, name="failure-watchdog", daemon=True)
+        self._guard_thread = threading.Thread(target=self._guard, name="failure-guard", daemon=True)
 
     def start(self) -> None:
-        """Publish the first heartbeat and start the watchdog thread."""
+        """Start the guard, publish the first heartbeat and start the watchdog thread."""
+        self._guard_thread.start()
         self._beat()
         self._thread.start()
 
@@ -94,12 +99,14 @@ class FailureChannel:
         with self._lock:
             speaker = self._speaker
             self._speaker = speaker or "report"
+            if speaker is None:
+                self._report_line, self._status = message.strip().splitlines()[0] if message.strip() else "", status
         if speaker == "watchdog":
             time.sleep(self._ack_wait_s + 2)  # the watchdog exits within _leave()
             os._exit(self._status)
         if speaker == "report":
             return
-        self.close()  # its next poll could hit a store that rank 0 already took down
+        self._stop_watching()  # its next poll could hit a store that rank 0 already took down
         payload = f"{self._rank}\n{status}\n{message}"
         try:
             if self._store.compare_set(_FAILURE, "", payload) != payload.encode():
@@ -109,10 +116,30 @@ class FailureChannel:
             pass
 
     def close(self) -> None:
-        """Stop the watchdog (normal end, after every rank finished: see :func:`finish`)."""
+        """Stop the watchdog and the guard (normal end, after every rank finished: see :func:`finish`)."""
+        self._stop_watching()
+        self._done.set()
+
+    def _stop_watching(self) -> None:
         self._closed.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join()  # bounded: the guard ends the process if its store call hangs
+
+    def _guard(self) -> None:
+        """Stop the rank when a store call of the channel has waited ``_lost_after_s``: rank 0 is stopped or
+        frozen. Prints the line of whoever speaks for the rank (the main thread's report, else the loss)."""
+        while not self._done.wait(self._poll_s):
+            started = min(self._pending.values(), default=None)
+            if started is None or time.monotonic() - started < self._lost_after_s:
+                continue
+            with self._lock:
+                speaker = self._speaker
+                self._speaker = speaker or "watchdog"
+            if speaker is None:
+                print(f"error: {self._store_lost()}", file=sys.stderr, flush=True)
+            elif speaker == "report" and self._report_line:
+                print(f"error: {self._report_line}", file=sys.stderr, flush=True)
+            os._exit(self._status)
 
     def _watch(self) -> None:
         """Poll the failure key and beat; stop this rank on another rank's failure, on losing the
@@ -128,8 +155,7 @@ class FailureChannel:
             except dist.DistError:
                 misses += 1  # one miss may be a slow rank 0; two in a row mean it is gone
                 if misses >= 2 and not self._closed.is_set():
-                    self._stop(f"lost the rendezvous store at {self._where}{self._at()} (rank 0 exited, was "
-                               f"stopped or killed); stopping rank {self._rank}", acknowledge=False)
+                    self._stop(self._store_lost(), acknowledge=False)
                 continue
             if failure is not None:
                 rank, status, message = failure
@@ -147,9 +173,37 @@ class FailureChannel:
         return rank, int(status), message
 
     def _heartbeat(self) -> list[int]:
-        """Beat; on rank 0 with ``silence_s``, also return the ranks that stopped beating."""
+        """Beat; with ``silence_s``, also return the watched ranks that stopped beating."""
         self._beat()
-        return self._silent_ranks() if self._rank == 0 and self._silence_s else []
+        return self._silent_ranks(self._watched, self._silence_s) if self._silence_s else []
+
+    def _store_lost(self) -> str:
+        return (f"rank 0 of {self._world_size} stopped answering{self._at()}: its rendezvous store at {self._where} "
+                f"is unreachable (rank 0 exited, was stopped or killed, or its node is gone); stopping rank "
+                f"{self._rank}")
+
+    def explain(self, wait_s: float = 3.0) -> str | None:
+        """Why a collective of this rank failed, when a peer is gone: the published failure, the loss of rank 0's
+        store, or the ranks whose heartbeat stopped during ``wait_s`` seconds (a live rank beats about once a
+        second); None when every rank still beats (then the failure is not a lost peer). The watchdog goes on
+        beating meanwhile: the other ranks, explaining the same failure, must not count this one as lost."""
+        keys = [f"{_BEAT}/{r}" for r in range(self._world_size)]
+        try:
+            before = self._store.multi_get(keys)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                failure = self._read_failure()
+                if failure is not None:
+                    return f"{failure[2].strip().splitlines()[0]} (on rank {failure[0]}; stopping rank {self._rank})"
+                time.sleep(self._poll_s)
+            after = self._store.multi_get(keys)
+        except dist.DistError:
+            return self._store_lost()
+        silent = [r for r, (a, b) in enumerate(zip(before, after)) if a == b and r != self._rank]
+        if not silent:
+            return None
+        return (f"{rank_list(silent, self._world_size)} stopped answering{self._at()}: a collective with it failed "
+                f"and it has no heartbeat (killed, or its node is gone); stopping rank {self._rank}")
 
     def _at(self) -> str:
         return "" if self._step is None else f" at iteration {self._step}"
@@ -158,23 +212,23 @@ class FailureChannel:
         self._beats += 1
         self._store.set(f"{_BEAT}/{self._rank}", str(self._beats))
 
-    def _silent_ranks(self) -> list[int]:
-        """Rank 0: the ranks whose heartbeat has not changed for ``silence_s`` (measured on this
-        rank's clock, from when it first read that beat)."""
-        keys = [f"{_BEAT}/{r}" for r in range(self._world_size)]
-        if not self._store.check(keys):  # a rank not yet started (its first beat precedes training)
+    def _silent_ranks(self, ranks: list[int], silence_s: float) -> list[int]:
+        """The ``ranks`` whose heartbeat has not changed for ``silence_s`` (measured on this rank's clock, from
+        when it first read that beat)."""
+        keys = [f"{_BEAT}/{r}" for r in ranks]
+        if not keys or not self._store.check(keys):  # a rank not yet started (its first beat precedes training)
             return []
         now, silent = time.monotonic(), []
-        for r, value in enumerate(self._store.multi_get(keys)):
+        for r, value in zip(ranks, self._store.multi_get(keys)):
             last, since = self._heard.get(r, (b"", now))
             if value != last:
                 self._heard[r] = (value, now)
-            elif now - since >= self._silence_s:
+            elif now - since >= silence_s:
                 silent.append(r)
         return silent
 
     def _publish_silence(self, silent: list[int]) -> None:
-        """Rank 0: publish that ``silent`` ranks stopped answering, print it and exit (status 2)."""
+        """Publish that ``silent`` ranks stopped answering, print it and exit (status 2)."""
         message = (f"{rank_list(silent, self._world_size)} stopped answering{self._at()}: no heartbeat for "
                    f"{self._silence_s:g} s; the process is stopped, hung or its node is gone: stopping every rank "
                    "(--collective_timeout_s sets the limit)")
@@ -215,6 +269,26 @@ class FailureChannel:
             wait_count(self._store, _LEFT, self._world_size - 1, deadline + 1.0)
         else:
             self._store.add(_LEFT, 1)
+
+
+class _TimedStore:
+    """A store whose calls are registered in ``pending`` (thread id -> start time) while they run, so that the
+    channel's guard sees a call that hangs."""
+
+    def __init__(self, store: dist.Store, pending: dict[int, float]):
+        self._store, self._pending = store, pending
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def timed(*args):
+            me = threading.get_ident()
+            self._pending[me] = time.monotonic()
+            try:
+                return method(*args)
+            finally:
+                self._pending.pop(me, None)
+        return timed
 
 
 def finish(store: dist.Store, channel: FailureChannel, rank: int, world_size: int, timeout_s: float) -> None:

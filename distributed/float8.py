@@ -35,13 +35,18 @@ torchao is imported inside the functions: it is an optional extra (``pip install
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
+from utils.config.fp8_speed import fp8_advice
 from utils.config.schema import PrecisionConfig
+
+log = logging.getLogger(__name__)
 
 TOKEN_ALIGNMENT = 16  # torch._scaled_mm: multiples of 16 in the GEMM dims it constrains
 
@@ -102,3 +107,14 @@ def float8_step_hook(model: nn.Module, precision: PrecisionConfig, fsdp: bool) -
         return None
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     return partial(precompute_float8_dynamic_scale_for_fsdp, model)
+
+
+@functools.lru_cache(maxsize=None)  # once per process: the batch tuner builds a model per trial
+def log_fp8_advice(gpu_name: str, width: int) -> None:
+    """Log where fp8 pays on this GPU (``utils/config/fp8_speed.py``): one warning line, with the measured
+    fp8/bf16 ratio, when the model's ``width`` is below it; an info line otherwise; nothing for an unmeasured
+    GPU."""
+    advice = fp8_advice(gpu_name, width)
+    if advice is not None:
+        slower, line = advice
+        (log.warning if slower else log.info)(line)

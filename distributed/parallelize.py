@@ -1,7 +1,7 @@
 """Apply parallelism and memory levers to a plain ``networks/vit.py`` model, in this order:
 
 1. float8 linears in the blocks with ``--amp_mode fp8`` (``distributed/float8.py``), before anything
-   wraps or shards them;
+   wraps or shards them; with ``--amp_mode bf16_pure`` a bf16 residual stream (:func:`apply_bf16_residual`);
 2. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims: every
    parameter a DTensor on the ``tp`` mesh;
 3. activation checkpointing (full, every k-th block, or an op-level selective policy);
@@ -34,13 +34,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from distributed.float8 import apply_float8
+from distributed.simulate import is_simulated
 from distributed.tensor_parallel import apply_tensor_context_parallel
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
 from utils.config.schema import ParallelConfig, PrecisionConfig
 
-# autocast dtype, also FSDP's parameter dtype; fp8 runs bf16 wherever its float8 linears do not
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+# autocast dtype, also FSDP's parameter dtype; fp8 runs bf16 wherever its float8 linears do not; bf16_pure is bf16
+# autocast with a bf16 residual stream (apply_bf16_residual)
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16,
+              "fp8": torch.bfloat16}
 
 # Op-level selective checkpointing: keep the outputs of matmuls and attention (expensive to
 # recompute), recompute the cheap pointwise and normalization ops (most of the activation bytes).
@@ -81,6 +84,26 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
             model.blocks[i] = checkpoint_wrapper(
                 block, preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _op_policy))
+
+
+def apply_bf16_residual(model: nn.Module) -> None:
+    """``--amp_mode bf16_pure``: carry the residual stream between the blocks in bf16 (in place).
+
+    Under bf16 autocast a block's output ``x + attn(norm1(x))`` keeps the dtype of ``x``, and ``x`` starts fp32
+    (the patch embedding's bf16 output plus the fp32 position embedding), so every residual add, LayerNorm input
+    and saved activation of the stream is fp32. Casting the first block's input to bf16 makes the whole stream
+    bf16: half the bytes of those bandwidth-bound passes, forward and backward. The parameters stay fp32 master
+    weights (Adam and checkpoints see only them), cast to bf16 by autocast for the GEMMs; LayerNorm computes its
+    statistics in fp32 (on CUDA autocast runs it in fp32), the attention kernels keep the softmax in fp32 and
+    the loss is fp32 (``relative_l2_loss``). This is what FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` gives under ``--fsdp`` (bf16 parameters, block inputs cast to
+    bf16), so one GPU, DDP and FSDP run the same arithmetic; there the cast finds bf16 already.
+    """
+    model.blocks[0].register_forward_pre_hook(_bf16_inputs)
+
+
+def _bf16_inputs(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.to(torch.bfloat16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def apply_packed_attention(model: nn.Module) -> None:
@@ -168,17 +191,20 @@ def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionCo
     ``set_model_state_dict(broadcast_from_rank0=True)`` sends each rank just its shards, so the
     full model never sits on one GPU. With ``fsdp_cpu_offload`` the shards are materialized on
     the host, where FSDP's offload policy requires them. Under tensor/context parallelism each rank
-    builds the full model and keeps its shards.
+    builds the full model and keeps its shards. A simulated rank (``distributed/simulate.py``) has no rank 0 to
+    load from: under FSDP its shards stay uninitialized (its losses are meaningless anyway).
     """
     fsdp_only = uses_fsdp(parallel, world) and not world.model_parallel
     if not fsdp_only:
         return parallelize_model(build().to(world.device), parallel, precision, world, grad_accum_steps)
-    full = build().state_dict() if world.is_main else {}
+    simulated = is_simulated(world.env)  # one rank with no peers to load from: its weights stay uninitialized
+    full = build().state_dict() if world.is_main and not simulated else {}
     with torch.device("meta"):
         model = build()
     model = parallelize_model(model, parallel, precision, world, grad_accum_steps)
     model.to_empty(device="cpu" if parallel.fsdp_cpu_offload else world.device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not simulated:
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
 
@@ -192,6 +218,8 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
         apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"))
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
+    if precision.amp_mode == "bf16_pure":
+        apply_bf16_residual(model)
     apply_activation_checkpointing(model, precision.activation_checkpointing, precision.ac_every,
                                    precision.ac_blocks)
     if precision.enable_jit:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from distributed.failure import FailureChannel, finish
 from distributed.launch import LaunchEnv, detect_launch, select_device
 from distributed.rendezvous import rendezvous
+from distributed.simulate import is_simulated, simulated_env, simulating, start_fake_process_group
 from utils.config.schema import ParallelConfig
 from utils.config.validate import data_parallel_size
 from utils.core.errors import NothingToDo, Preempted, UserError, failure_status
@@ -131,20 +132,25 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
     build the mesh from ``parallel`` (``tensor_parallel``, ``context_parallel``, ``fsdp``, ...).
 
     One process per GPU: the device is ``cuda:<local_rank>``. A process group started by the
-    caller (tests) is reused.
+    caller (tests) is reused. With ``simulate_world_size`` this one process is a rank of that world on
+    the fake process group (``distributed/simulate.py``).
 
     Raises:
         UserError: the world size does not divide into tensor x context parallel, the launcher's
             variables are inconsistent, or a rank did not join within ``rendezvous_timeout_s`` s.
     """
     env = env or detect_launch()
+    if simulating(parallel):  # one rank of a job on the fake process group (distributed/simulate.py)
+        env = simulated_env(parallel, env)
     device = select_device(env)
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
     dp = data_parallel_size(env.world_size, parallel)
     if env.world_size == 1:
         return World(env, device)
     store = None
-    if not dist.is_initialized():
+    if is_simulated(env):
+        start_fake_process_group(env.world_size, parallel.simulate_rank)
+    elif not dist.is_initialized():
         store = rendezvous(env, parallel.rendezvous_timeout_s)
         timeout = timedelta(seconds=parallel.collective_timeout_s)
         store.set_timeout(timeout)  # the store's own waits (NCCL's id exchange) follow the collectives'
@@ -160,8 +166,9 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
 
 
 def broadcast_from_main(obj, world: World):
-    """``obj`` as rank 0 has it, on every rank (a picklable object; no-op for one process)."""
-    if world.world_size == 1 or not dist.is_initialized():
+    """``obj`` as rank 0 has it, on every rank (a picklable object; no-op for one process, also a simulated rank:
+    it is the job's only process)."""
+    if world.world_size == 1 or not dist.is_initialized() or is_simulated(world.env):
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -223,11 +230,25 @@ def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
         _finish(world, parallel)
         raise
     except BaseException as exc:
-        if world.channel is not None:
-            world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
-                                 failure_status(exc))
+        if world.channel is None:
+            raise
+        lost = world.channel.explain() if _communication_failed(exc) else None
+        if lost is not None:  # a peer died under a collective: one line naming it, never gloo's/NCCL's traceback
+            world.channel.report(lost, 2)
+            raise UserError(lost) from None
+        world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
+                             failure_status(exc))
         raise
     _finish(world, parallel)
+
+
+def _communication_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure (a reset or closed connection, a timeout), as gloo and NCCL
+    raise it, rather than an error of the training itself."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(word in text for word in ("gloo", "NCCL", "Connection", "Timed out"))
 
 
 # a rank silent this share of the collective timeout is declared lost before gloo/NCCL time out

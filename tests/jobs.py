@@ -20,9 +20,9 @@ RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--lim
 
 
 def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
-              entry: list[str] | None = None, **env: str) -> list[subprocess.Popen]:
-    """Start ``train.py RUN + args`` on ``ranks`` processes (RANK/WORLD_SIZE variables), writing runs
-    under ``workdir/runs``. ``signal_at``: each process signals itself after that optimizer step
+              entry: list[str] | None = None, run_args: list[str] = RUN, **env: str) -> list[subprocess.Popen]:
+    """Start ``train.py run_args + args`` (``RUN`` by default) on ``ranks`` processes (RANK/WORLD_SIZE variables),
+    writing runs under ``workdir/runs``. ``signal_at``: each process signals itself after that optimizer step
     (``tests/kill_at_step.py``; SIGKILL unless ``KILL_SIGNAL`` in ``env`` names another). ``entry``:
     another script (and its own arguments) in place of ``train.py``."""
     if entry is None:
@@ -30,7 +30,7 @@ def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at:
     launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                                     "MASTER_PORT": str(free_port())}
     workdir.mkdir(exist_ok=True)
-    command = [sys.executable, *entry, *RUN, "--data_path", str(data), "--expdir", str(workdir / "runs"), *args]
+    command = [sys.executable, *entry, *run_args, "--data_path", str(data), "--expdir", str(workdir / "runs"), *args]
     return [subprocess.Popen(command, cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=subprocess_env(**launch, **env,
                                                 **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
@@ -38,10 +38,10 @@ def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at:
 
 
 def run_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
-            entry: list[str] | None = None, **env: str) -> list[tuple[int, str, str]]:
+            entry: list[str] | None = None, run_args: list[str] = RUN, **env: str) -> list[tuple[int, str, str]]:
     """:func:`start_job` and wait: ``(exit status, stdout, stderr)`` of every rank."""
-    procs = start_job(workdir, data, args, ranks, signal_at, entry, **env)
-    outputs = [p.communicate(timeout=300) for p in procs]
+    procs = start_job(workdir, data, args, ranks, signal_at, entry, run_args, **env)
+    outputs = [p.communicate(timeout=600) for p in procs]
     return [(p.returncode, *out) for p, out in zip(procs, outputs)]
 
 

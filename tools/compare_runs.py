@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Optional
 
 from utils.core.errors import ArgumentParser, UserError, run_cli
-from utils.monitor.compare import (differing_keys, finite, format_table, key_channels, load_runs, run_row,
-                                   write_plots)
+from utils.core.files import output_path_type
+from utils.monitor.compare import (default_out, differing_keys, finite, format_table, key_channels, load_runs,
+                                   run_row, write_plots)
 
 
 def parse_args(argv: Optional[list[str]]):
@@ -31,8 +32,9 @@ def parse_args(argv: Optional[list[str]]):
                         help="run directories <expdir>/<config>/<N>GPU/<run_num>")
     parser.add_argument("--expdir", type=Path, help="compare every run under this directory (with the RUN_DIRs)")
     parser.add_argument("--config", help="with --expdir: only configs whose name matches this glob")
-    parser.add_argument("--out", type=Path, default=Path("compare_runs"),
-                        help="directory for the PNG plots (default: ./compare_runs)")
+    parser.add_argument("--out", type=output_path_type("--out"),
+                        help="directory for the PNG plots (default: <expdir>/compare_runs, else compare_runs "
+                             "beside the run directories)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     parser.add_argument("--channels", help="comma-separated key channels (default: the runs' key_channels, "
                                            "else the first 4 common to all runs)")
@@ -51,7 +53,7 @@ def compare(argv: Optional[list[str]] = None) -> None:
     keys = differing_keys(runs)
     channels = key_channels(runs, args.channels)
     rows = [run_row(run, keys, channels) for run in runs]
-    plots, notes = write_plots(runs, channels, args.out)
+    plots, notes = write_plots(runs, channels, args.out or default_out([r.path for r in runs], args.expdir), keys)
     for note in notes:  # stderr, so that --json output stays a single document
         print(f"note: {note}", file=sys.stderr)
     if args.json:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from utils.core.errors import ArgumentParser, run_cli
+from utils.core.files import output_path_type
 from utils.data.convert import convert
 from utils.data.plan import parse_select
 
@@ -25,7 +26,7 @@ def build_parser() -> ArgumentParser:
                                    "layout.")
     p.add_argument("--input", required=True,
                    help="netCDF file, GRIB file (needs pip install -e '.[grib]') or zarr store folder")
-    p.add_argument("--out", required=True, help="output dataset folder")
+    p.add_argument("--out", required=True, type=output_path_type("--out"), help="output dataset folder")
     p.add_argument("--variables", nargs="+", required=True, help="variables, e.g. t z t2m (channel order)")
     p.add_argument("--levels", nargs="+", type=float, default=None,
                    help="pressure levels for level variables, e.g. 850 500 (default: all in the file)")

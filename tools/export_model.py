@@ -20,6 +20,7 @@ from pathlib import Path
 
 from distributed.checkpoint.export import export_model
 from utils.core.errors import ArgumentParser, run_cli
+from utils.core.files import output_path_type
 
 
 def build_parser() -> ArgumentParser:
@@ -29,7 +30,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("run_dir", type=Path, help="run directory <expdir>/<config>/<N>GPU/<run_num>")
     p.add_argument("--step", type=int, default=None,
                    help="export the checkpoint of this optimizer step (default: the latest complete one)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_path_type("--out"), default=None,
                    help="output file (default: <run_dir>/checkpoints/model_step_<N>.pt)")
     return p
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from utils.core.errors import ArgumentParser, run_cli
+from utils.core.files import output_path_type
 from utils.data.generate import make_synthetic_dataset
 
 
@@ -20,7 +21,7 @@ def build_parser() -> ArgumentParser:
     ``error:`` line)."""
     p = ArgumentParser(prog="python -m tools.make_synthetic_data",
                        description="Write a synthetic ERA5-like dataset (train/, valid/, stats/).")
-    p.add_argument("--out", required=True, help="output dataset folder")
+    p.add_argument("--out", required=True, type=output_path_type("--out"), help="output dataset folder")
     p.add_argument("--channels", type=int, default=4, help="number of channels C (default 4)")
     p.add_argument("--img_size", type=int, nargs=2, default=(32, 64), metavar=("H", "W"),
                    help="grid size (default 32 64)")

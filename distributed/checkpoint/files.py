@@ -110,12 +110,22 @@ def step_folders(directory: Path) -> list[Path]:
 
 
 def named_latest(directory: Path) -> Path | None:
-    """The step folder that ``<directory>/latest`` names (complete or not), None without one."""
+    """The step folder that ``<directory>/latest`` names (complete or not), None without one.
+
+    Raises:
+        UserError: ``latest`` is not the name of a step folder (binary content, a path, another name).
+    """
+    path = Path(directory) / LATEST
     try:
-        folder = Path(directory) / (Path(directory) / LATEST).read_text().strip()
+        name = path.read_bytes().decode("ascii").strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return folder if folder_step(folder) is not None else None
+    except (OSError, UnicodeDecodeError):
+        name = None
+    if name is None or "/" in name or folder_step(Path(name)) is None:
+        raise UserError(f"{path} is damaged: it must hold the name of a step_* folder; delete it to resume from "
+                        f"the newest complete checkpoint, or pass --resume <step folder>")
+    return Path(directory) / name
 
 
 def read_latest(directory: Path) -> Path | None:

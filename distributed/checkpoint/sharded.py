@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,6 @@ from utils.core.files import write_atomic, write_json_atomic
 
 log = logging.getLogger(__name__)
 UNSAFE = "unsafe: "  # marks a rank's load error that must not fall back to an older checkpoint
-# DCP warns on every save and load of one process that it runs without torch.distributed: intended here
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -349,7 +346,7 @@ class ShardedCheckpoints:
         state = self._state()
         try:
             self._verify(folder)
-            dcp.load(state, storage_reader=SafeReader(folder), planner=ViewLoadPlanner(self._views))
+            dcp.load(state, storage_reader=SafeReader(folder).checked(), planner=ViewLoadPlanner(self._views))
             return (state, self._read_per_rank(folder)), None
         except UnsafeCheckpoint as exc:
             return None, f"{UNSAFE}{exc}"
@@ -389,11 +386,14 @@ class ShardedCheckpoints:
 
     def _verify(self, folder: Path) -> None:
         """Check ``folder``'s files against its checksums before anything is loaded (collective): each rank reads
-        its share of the files. A checkpoint written before checksums existed loads with a warning.
+        its share of the files. A checkpoint written before checksums existed loads with a warning. With
+        ``checkpoint_checksums`` off nothing is verified.
 
         Raises:
             UserError: a file differs from its checksum or is missing (naming it).
         """
+        if not self.cfg.checkpoint_checksums:
+            return
         manifest = main_decides(lambda: read_checksums(folder), self.world)
         if manifest is None:
             if self.world.is_main:

@@ -15,6 +15,7 @@ import hashlib
 import io
 import pickle
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,8 @@ def _allowed_metadata_classes() -> dict[tuple[str, str], Any]:
 
 
 METADATA_CLASSES = _allowed_metadata_classes()
+# DCP warns on every save and load of one process that it runs without torch.distributed: intended here
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -185,21 +188,61 @@ class SafeReader(dcp.FileSystemReader):
         UserError: the metadata is damaged (not a pickle, or not DCP's metadata).
     """
 
+    def checked(self) -> SafeReader:
+        """This reader, its metadata read and checked now: DCP, reading damaged metadata itself, would log its own
+        tracebacks beside our line (on the root logger), so loads check it first."""
+        self.read_metadata()
+        return self
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        metadata = getattr(self, "_metadata", None) or self._unpickle_metadata()
+        self._metadata = metadata
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _unpickle_metadata(self) -> dcp_metadata.Metadata:
         path = Path(self.path) / METADATA
         try:
             with open(path, "rb") as f:
                 metadata = RestrictedUnpickler(f, path).load()
         except UnsafeCheckpoint:
             raise
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, IndexError, TypeError, ValueError) as exc:
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, IndexError, TypeError, ValueError,
+                KeyError, RecursionError, MemoryError) as exc:
             raise UserError(f"{path} is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UserError(f"{path} is damaged (it holds {type(metadata).__name__}, not DCP's metadata)")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check_model_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Check that the checkpoint ``folder`` holds the model ``expected`` describes (``{name: plain shape}``, as
+    ``model.state_dict()`` of the unparallelized model gives it), reading its metadata and per-rank files but
+    no tensor data: a ``--resume`` target is checked before the run directory exists.
+
+    Raises:
+        UnsafeCheckpoint, UserError: the metadata or a per-rank file is damaged or refers to code.
+        UserError: tensors missing, extra, or of other shapes (another embed_dim, depth, channel count, grid or
+            patch size), naming the first ones.
+    """
+    for per_rank in sorted(Path(folder).glob("rank*.pt")):
+        load_plain(per_rank)
+    metadata = SafeReader(folder).checked().read_metadata()
+    saved = {key.removeprefix("model."): tuple(item.size) for key, item in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(item, dcp_metadata.TensorStorageMetadata)}
+    problems = [f"{k} is {saved[k]} there, {expected[k]} here" for k in expected if k in saved and saved[k] != expected[k]]
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    if missing:
+        problems.append(f"{len(missing)} tensors missing there ({', '.join(missing[:3])})")
+    if extra:
+        problems.append(f"{len(extra)} tensors unknown here ({', '.join(extra[:3])})")
+    if problems:
+        raise UserError(f"checkpoint {folder} does not fit this config's model: {'; '.join(problems[:3])}; resume "
+                        "from a checkpoint of the same model (embed_dim, depth, channels, img_size, patch_size) or "
+                        "pass --resume never")
 
 
 def _numpy_array_globals() -> list:

@@ -3,7 +3,7 @@
 and data errors leave nothing on disk.
 
 Each case is (id, entry point and arguments, environment, how to spoil the data, words the line must
-hold, whether the run may already have written its directory). README.md lists these errors.
+hold, whether the run may already have written its directory). docs/errors.md lists these errors.
 """
 
 from __future__ import annotations
@@ -41,6 +41,26 @@ def _empty(data: Path) -> None:
 def _rename_fields(data: Path) -> None:
     with h5py.File(_first_train_file(data), "r+") as f:
         f.move("fields", "data")
+
+
+def _fields_group(data: Path) -> None:
+    with h5py.File(_first_train_file(data), "r+") as f:
+        del f["fields"]
+        f.create_group("fields")
+
+
+def _near_zero_std(data: Path) -> None:
+    stds = np.load(data / "stats" / "global_stds.npy")
+    stds[0, 1] = 1e-12
+    np.save(data / "stats" / "global_stds.npy", stds)
+
+
+def _attribute(name: str, value: str) -> Callable[[Path], None]:
+    """Set one attribute of the first training file's ``fields``."""
+    def spoil(data: Path) -> None:
+        with h5py.File(_first_train_file(data), "r+") as f:
+            f["fields"].attrs[name] = value
+    return spoil
 
 
 def _nan_stds(data: Path) -> None:
@@ -85,11 +105,26 @@ def _no_valid_files(data: Path) -> None:
 
 def _yaml(text: str) -> Callable[[Path], list[str]]:
     """A case whose config file is ``text`` (written next to the data)."""
+    return _yaml_bytes(text.encode())
+
+
+def _yaml_bytes(raw: bytes) -> Callable[[Path], list[str]]:
+    """A case whose config file holds ``raw`` (another encoding, binary)."""
     def write(data: Path) -> list[str]:
         path = data / "configs.yaml"
-        path.write_text(text)
+        path.write_bytes(raw)
         return ["--yaml_config", str(path), "--config", "a"]
     return write
+
+
+def _nan_netcdf(data: Path) -> None:
+    """An ERA5-like netCDF file whose temperature is all NaN."""
+    import pandas as pd
+    import xarray as xr
+    shape = (8, 2, 8, 16)
+    xr.Dataset({"t": (("time", "level", "latitude", "longitude"), np.full(shape, np.nan, np.float32))},
+               coords={"time": pd.date_range("2000-01-01", periods=8, freq="6h"), "level": [500, 850],
+                       "latitude": np.linspace(90, -90, 8), "longitude": np.arange(16) * 22.5}).to_netcdf(data / "nan.nc")
 
 
 @dataclass
@@ -101,6 +136,7 @@ class Case:
     spoil: Callable | None = None  # spoils a copy of the data; may return extra arguments
     entry: str = "train.py"
     writes: bool = False  # the error comes after the run directory exists (mid-training)
+    absent: str | None = None  # a path ({data}: the data copy) that must not exist afterwards
 
 
 LAUNCH = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
@@ -110,7 +146,7 @@ CASES = [
     Case("unknown config", ["--config", "tinyy"], ["'tinyy' not in", "did you mean tiny"]),
     Case("wrong type", ["--num_iters", "many"], ["--num_iters expects an integer"]),
     Case("bad bool", ["--enable_fused", "maybe"], ["--enable_fused expects true or false"]),
-    Case("bad choice", ["--amp_mode", "fp4"], ["--amp_mode must be one of none, fp16, bf16, fp8"]),
+    Case("bad choice", ["--amp_mode", "fp4"], ["--amp_mode must be one of none, fp16, bf16, bf16_pure, fp8"]),
     Case("positional argument", ["lr", "1e-3"], ["unexpected argument 'lr'"]),
     Case("global batch 0", ["--global_batch_size", "0"], ["--global_batch_size must be >= 1, got 0"]),
     Case("patch 0", ["--patch_size", "0"], ["--patch_size must be >= 1"]),
@@ -137,6 +173,9 @@ CASES = [
          env={"CUDA_VISIBLE_DEVICES": ""}),
     Case("fp8 recipe without fp8", ["--fp8_recipe", "rowwise"], ["--fp8_recipe has no effect without --amp_mode fp8"]),
     Case("run_num with a slash", ["--run_num", "a/b"], ["must be a plain name"]),
+    Case("run_num with a newline", ["--run_num", "00\n"], ["contains the control character '\\n'"]),
+    Case("run_num too long", ["--run_num", "r" * 300], ["is 300 bytes, longer than the 255"]),
+    Case("empty expdir", ["--expdir", ""], ["--expdir is empty"]),
     Case("resume from a missing folder", ["--resume", "/nonexistent/ckpt"], ["--resume /nonexistent/ckpt: no such"]),
     Case("help for an unknown key", ["--help", "lrr"], ["--help lrr: unknown config key", "did you mean lr"]),
     # ---- config files
@@ -146,6 +185,15 @@ CASES = [
     Case("duplicated key in a merged config", [], ["key 'lr' repeats the one on line 5"],
          spoil=_yaml("b: &b\n  depth: 2\na:\n  <<: *b\n  lr: 1.0e-3\n  lr: 2.0e-3\n")),
     Case("unknown key in YAML", [], ["config a: unknown config key depht"], spoil=_yaml("a:\n  depht: 3\n")),
+    Case("UTF-16 YAML", [], ["is UTF-16 text; save it as UTF-8"], spoil=_yaml_bytes("a:\n  lr: 1\n".encode("utf-16"))),
+    Case("binary YAML", [], ["is not UTF-8 text", "save it as UTF-8"], spoil=_yaml_bytes(bytes(range(256)) * 4)),
+    Case("YAML with NUL bytes", [], ["contains NUL bytes"], spoil=_yaml_bytes(b"a:\n  lr: 1\x00\n")),
+    Case("YAML anchor that contains itself", [], ["has an anchor that refers to itself"],
+         spoil=_yaml("a: &a\n  b: *a\n")),
+    Case("YAML integer key", [], ["config a: key 1 is not a setting name"], spoil=_yaml("a:\n  1: 2\n")),
+    Case("YAML integer config name", [], ["config name 7 is not a string"], spoil=_yaml("7:\n  lr: 1\n")),
+    Case("tuner keys without the tuner", ["--tolerance", "0.1"], ["--tolerance: tuner keys", "--local_batch_size auto"]),
+    Case("model too large for the host", ["--embed_dim", "4000000"], ["of host memory", "make the model smaller"]),
     # ---- output paths
     Case("expdir is a file", ["--expdir", "{data}/stats/global_means.npy/runs"], ["is a file, not a directory"]),
     # ---- data: missing, empty, truncated, corrupt files; wrong shapes; bad statistics; NaN
@@ -163,6 +211,17 @@ CASES = [
     Case("empty HDF5 file", [], ["cannot read", ".h5"], spoil=_empty),
     Case("corrupt latitude metadata", [], ["latitude", ".h5"], spoil=_bad_latitude),
     Case("NaN in global_stds.npy", [], ["global_stds.npy holds 1 NaN/Inf"], spoil=_nan_stds),
+    Case("near-zero std", [], ["global_stds.npy: channel 1 has a near-zero standard deviation"],
+         spoil=_near_zero_std),
+    Case("fields is a group", [], ["'fields' is an HDF5 group, not a dataset"], spoil=_fields_group),
+    Case("unknown calendar", [], ["attribute calendar='julius' is not a CF calendar"],
+         spoil=_attribute("calendar", "julius")),
+    Case("start time not a time", [], ["attribute start_time='yesterday' is not an ISO 8601 time"],
+         spoil=_attribute("start_time", "yesterday")),
+    Case("start time not in the calendar", [], ["start_time='2001-02-30' is not an ISO 8601 time in the standard"],
+         spoil=_attribute("start_time", "2001-02-30")),
+    Case("unknown time unit", [], ["time_step_unit='fortnights' are not a positive time step"],
+         spoil=_attribute("time_step_unit", "fortnights")),
     Case("wrong shape of global_means.npy", [], ["global_means.npy has shape (1, 3, 1, 1)"], spoil=_wrong_means_shape),
     Case("truncated global_means.npy", [], ["cannot read", "global_means.npy"], spoil=_truncated_npy),
     Case("missing climatology", [], ["missing", "time_means.npy"], spoil=_missing_clim),
@@ -194,7 +253,19 @@ CASES = [
          ["/nonexistent.nc"],
          entry="tools.convert_era5"),
     Case("generator with zero channels", ["--out", "{data}/x", "--channels", "0"], ["--channels"],
-         entry="tools.make_synthetic_data"),
+         entry="tools.make_synthetic_data", absent="{data}/x"),
+    Case("generator with negative workers", ["--out", "{data}/x", "--workers", "-2"], ["--workers must be >= 1"],
+         entry="tools.make_synthetic_data", absent="{data}/x"),
+    Case("generator into an empty path", ["--out", ""], ["--out is empty"], entry="tools.make_synthetic_data",
+         absent="train"),
+    Case("converter on NaN input", ["--input", "{data}/nan.nc", "--out", "{data}/conv", "--variables", "t"],
+         ["has 512 NaN/Inf value(s)"], spoil=_nan_netcdf, entry="tools.convert_era5", absent="{data}/conv"),
+    Case("converter into a path with a newline", ["--input", "x.nc", "--out", "a\nb", "--variables", "t"],
+         ["contains the control character"], entry="tools.convert_era5"),
+    Case("tuner on unreadable data", ["--config", "tiny", "--data_path", "{data}", "--expdir", "{data}/runs",
+                                      "--tune_data", "real"], ["start_time='yesterday'"],
+         spoil=_attribute("start_time", "yesterday"), entry="tools.tune_batch_size", absent="{data}/runs"),
+    Case("export_model into an empty path", ["{data}", "--out", ""], ["--out is empty"], entry="tools.export_model"),
 ]
 
 
@@ -227,6 +298,8 @@ def test_bad_input_is_one_line(case, tiny_data, tmp_path):
     assert_one_line_error(proc, case.needles)
     if not case.writes:  # checked before anything was created
         assert not expdir.exists(), list(expdir.rglob("*"))
+    if case.absent:
+        assert not (tmp_path / case.absent.replace("{data}", str(data))).exists()
 
 
 def test_table_is_large_enough():

@@ -36,24 +36,26 @@ def test_checkpoint_benchmark_measures_every_kind_of_save(tiny_data, tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:]
     rows = {r["what"]: r for r in json.loads(out.read_text())["results"]}
-    assert len(rows) == 9 and all(r["seconds"] > 0 for r in rows.values())
+    assert len(rows) == 12 and all(r["seconds"] > 0 for r in rows.values())
     assert all(rows[f"host buffers of {kind} saves, allocated in the background"]["steps_during_write"] == 2
                for kind in ("sync", "async"))
     saves = [r for what, r in rows.items() if what.startswith("sharded save")]
-    assert len(saves) == 4 and all(r["size_gb"] > 0 and r["stall_s"] >= 0 for r in saves)
-    assert "sharded load" in outputs[0][0]  # the table, on rank 0
+    assert len(saves) == 6 and all(r["size_gb"] > 0 and r["stall_s"] >= 0 for r in saves)
+    # sync saves and loads with and without checksums: what the checksums cost
+    assert {"sharded load, with checksums", "sharded load, without checksums"} <= set(rows)
+    assert "sharded load, with checksums" in outputs[0][0]  # the table, on rank 0
 
 
 def parity_run(mode: str, seed: int, valid: float, rmse: dict, samples_per_s: float) -> dict:
-    """A ``run_variant`` row of fp8_parity (two epochs of 4 steps), as the benchmark records it."""
+    """A ``run_variant`` row of precision_parity (two epochs of 4 steps), as the benchmark records it."""
     curve = [{"iteration": 4, "loss/train": 2 * valid, "loss/valid": valid + 0.1},
              {"iteration": 8, "loss/train": valid, "loss/valid": valid}]
     return {"mode": mode, "seed": seed, "returncode": 0, "curve": curve, "loss/train": valid, "loss/valid": valid,
             **{f"rmse/{c}": v for c, v in rmse.items()}, "rmse_persistence/t2m": 9.0, "samples_per_s": samples_per_s}
 
 
-def test_fp8_parity_summary_places_each_metric_against_the_reference_range():
-    from benchmarks.fp8_parity import summarize
+def test_precision_parity_summary_places_each_metric_against_the_reference_range():
+    from benchmarks.precision_parity import summarize
     runs = [parity_run("bf16", 0, 0.50, {"t2m": 1.0, "z500": 10.0}, 100.0),
             parity_run("fp8", 0, 0.505, {"t2m": 1.3, "z500": 8.0}, 150.0),
             parity_run("bf16", 1, 0.52, {"t2m": 1.2, "z500": 12.0}, 110.0),
@@ -89,8 +91,8 @@ def test_fp8_parity_summary_places_each_metric_against_the_reference_range():
     assert summary["speedup"]["fp8"] == pytest.approx(155 / 105)
 
 
-def test_fp8_parity_rejects_bad_input_before_any_run(tiny_data, tmp_path):
-    from benchmarks.fp8_parity import main
+def test_precision_parity_rejects_bad_input_before_any_run(tiny_data, tmp_path):
+    from benchmarks.precision_parity import main
     from utils.core.errors import UserError
     common = ["--config", "tiny", "--data_path", str(tiny_data), "--out", str(tmp_path / "p.json")]
     for argv, words in [([*common, "--modes", "bf16", "fp9"], ["--amp_mode", "fp9"]),
@@ -105,37 +107,162 @@ def test_fp8_parity_rejects_bad_input_before_any_run(tiny_data, tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
-def test_fp8_parity_passes_fp8_keys_to_fp8_runs_only():
-    from benchmarks.fp8_parity import mode_args
+def test_precision_parity_passes_fp8_keys_to_fp8_runs_only():
+    from benchmarks.precision_parity import mode_args
     overrides = {"lr": "1e-3", "fp8_recipe": "rowwise", "enable_jit": "true"}
     assert mode_args("bf16", overrides) == ["--lr", "1e-3", "--enable_jit", "true"]  # bf16 refuses fp8 keys
     assert mode_args("fp8", overrides) == ["--lr", "1e-3", "--fp8_recipe", "rowwise", "--enable_jit", "true"]
 
 
-def test_fp8_parity_end_to_end_on_cpu(tiny_data, tmp_path):
-    # amp modes that run on CPU stand for bf16 and fp8; the speed settings are switched off after --
+def test_precision_parity_end_to_end_on_cpu(tiny_data, tmp_path):
+    # the CPU runs bf16 autocast and bf16_pure (fp8 needs a Hopper GPU); the speed settings are switched off after --
     out = tmp_path / "parity.json"
-    cmd = [sys.executable, "benchmarks/fp8_parity.py", "--config", "tiny", "--data_path", str(tiny_data),
-           "--modes", "none", "bf16", "--seeds", "0", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out),
+    cmd = [sys.executable, "benchmarks/precision_parity.py", "--config", "tiny", "--data_path", str(tiny_data),
+           "--modes", "bf16", "bf16_pure", "--seeds", "0", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out),
            "--", "--attention_backend", "auto", "--enable_jit", "false", "--num_data_workers", "0",
            "--num_iters", "2", "--limit_nsamples", "8", "--limit_nsamples_val", "8"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads(out.read_text())
-    assert saved["device"] == "cpu" and saved["torch"] and saved["modes"] == ["none", "bf16"]
+    assert saved["device"] == "cpu" and saved["torch"] and saved["modes"] == ["bf16", "bf16_pure"]
     runs = saved["results"]
-    assert [(r["mode"], r["seed"]) for r in runs] == [("none", 0), ("bf16", 0), ("none", 1), ("bf16", 1)]
+    assert [(r["mode"], r["seed"]) for r in runs] == [("bf16", 0), ("bf16_pure", 0), ("bf16", 1), ("bf16_pure", 1)]
     for run in runs:
         assert run["returncode"] == 0 and f"--amp_mode {run['mode']}" in run["command"]
         assert [p["iteration"] for p in run["curve"]] == [1, 2]  # 2 epochs of 1 step, both validated
     assert runs[0]["loss/valid"] != runs[2]["loss/valid"]  # the seed reaches the run
     summary = saved["summary"]
     channels = ["u10m", "v10m", "t2m", "sp"]
-    assert summary["reference"] == "none" and summary["metrics"] == ["loss/valid", *[f"rmse/{c}" for c in channels]]
-    for mode in ("none", "bf16"):
+    assert summary["reference"] == "bf16" and summary["metrics"] == ["loss/valid", *[f"rmse/{c}" for c in channels]]
+    for mode in ("bf16", "bf16_pure"):
         assert summary["modes"][mode]["seeds"] == [0, 1]
         assert len(summary["modes"][mode]["final"]["rmse/sp"]["values"]) == 2
         assert [p["iteration"] for p in summary["modes"][mode]["curves"]["loss/valid"]] == [1, 2]
-    assert set(summary["parity"]) == {"bf16"} and set(summary["parity"]["bf16"]) == set(summary["metrics"])
-    assert all(isinstance(p["within"], bool) for p in summary["parity"]["bf16"].values())
-    assert "bf16 vs none" in proc.stdout and "RMSE sp" in proc.stdout
+    assert set(summary["parity"]) == {"bf16_pure"} and set(summary["parity"]["bf16_pure"]) == set(summary["metrics"])
+    assert all(isinstance(p["within"], bool) for p in summary["parity"]["bf16_pure"].values())
+    assert "bf16_pure vs bf16" in proc.stdout and "RMSE sp" in proc.stdout
+
+
+BENCHMARKS = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")
+                    if p.name not in ("__init__.py", "common.py"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_every_benchmark_answers_help(script):
+    """Each script imports from the current layout and explains itself without a GPU."""
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def fake_check_runs(speeds: dict[str, float], stalls: tuple[float, float]):
+    """``run`` and ``checkpoint`` measurements for ``benchmarks/check.py``, recording the train.py arguments."""
+    calls = []
+
+    def run(name, args, expdir):
+        calls.append((name, args))
+        return {"variant": name, "returncode": 0, "samples_per_s": speeds[name], "command": " ".join(args)}
+
+    def checkpoint(args, folder):
+        calls.append(("checkpoint", args))
+        return [{"what": "sharded save, sync, with checksums (again)", "stall_s": stalls[0]},
+                {"what": "sharded save, async (again)", "stall_s": stalls[1]}, {"what": "sharded load", "seconds": 1.0}]
+    return calls, run, checkpoint
+
+
+def test_check_compares_with_the_reference_and_names_what_regressed(tiny_data, tmp_path, capsys):
+    from benchmarks.check import main
+    calls, run, checkpoint = fake_check_runs({"ceiling_bf16": 100.0, "ceiling_bf16_pure": 110.0,
+                                              "e2e_bf16_pure": 105.0, "fp8": 90.0}, (0.5, 0.1))
+    reference = tmp_path / "cpu_check.json"
+    reference.write_text(json.dumps({"device": "cpu", "metrics": {
+        "ceiling bf16 samples/s": 101.0, "ceiling bf16_pure samples/s": 120.0, "fp8 / best bf16 ceiling": 0.8,
+        "sync save stall s": 0.2, "async save stall s": 0.08}}))
+    out = tmp_path / "check.json"
+    regressed = main(["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(reference), "--out",
+                      str(out), "--", "--enable_jit", "false"], run=run, checkpoint=checkpoint)
+    assert regressed
+    assert [name for name, _ in calls] == ["ceiling_bf16", "ceiling_bf16_pure", "e2e_bf16_pure", "fp8", "checkpoint"]
+    for name, args in calls[:4]:  # two epochs of 64 steps (512 samples at global batch 8), the extra arguments last
+        assert args[args.index("--num_iters") + 1] == "128" and args[-2:] == ["--enable_jit", "false"]
+    assert "--data_loader_config pytorch --num_data_workers 8 --amp_mode bf16_pure" in " ".join(calls[2][1])
+    saved = json.loads(out.read_text())
+    verdicts = {r["metric"]: r["verdict"] for r in saved["comparison"]}
+    assert verdicts == {"ceiling bf16 samples/s": "ok", "ceiling bf16_pure samples/s": "REGRESSED",
+                        "end to end bf16_pure samples/s": "new", "end to end bf16_pure / ceiling": "new",
+                        "fp8 samples/s": "new", "fp8 / best bf16 ceiling": "ok",
+                        "sync save stall s": "REGRESSED", "async save stall s": "ok"}  # +0.02 s: within the slack
+    assert saved["metrics"]["end to end bf16_pure / ceiling"] == pytest.approx(105 / 110)
+    assert saved["metrics"]["fp8 / best bf16 ceiling"] == pytest.approx(90 / 110)
+    assert saved["device"] == "cpu" and len(saved["results"]) == 4 + 3
+    printed = capsys.readouterr().out
+    assert "regressed (more than 5% worse than cpu_check.json): ceiling bf16_pure samples/s, sync save stall s" in printed
+    assert "-8.3%" in printed
+
+
+def test_check_without_a_reference_says_how_to_make_one(tiny_data, tmp_path, capsys):
+    from benchmarks.check import main
+    calls, run, checkpoint = fake_check_runs({"ceiling_bf16": 100.0}, (0.5, 0.1))
+    out = tmp_path / "check.json"
+    assert not main(["--data_path", str(tiny_data), "--config", "tiny", "--only", "ceiling", "--amp_modes", "bf16",
+                     "--reference", str(tmp_path / "none.json"), "--out", str(out)], run=run, checkpoint=checkpoint)
+    assert [name for name, _ in calls] == ["ceiling_bf16"]
+    assert json.loads(out.read_text())["metrics"] == {"ceiling bf16 samples/s": 100.0}
+    assert f"copy {out} there to make this run the reference" in capsys.readouterr().out
+
+
+def test_check_rejects_bad_input_before_any_run(tiny_data, tmp_path, capsys):
+    from benchmarks.check import main
+    from utils.core.errors import UserError
+    calls, run, checkpoint = fake_check_runs({}, (0, 0))
+    other = tmp_path / "h100_check.json"
+    other.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "metrics": {}}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    common = ["--data_path", str(tiny_data), "--config", "tiny"]
+    for argv, words in [([*common, "--reference", str(other)], ["measured on NVIDIA H100", "this is cpu"]),
+                        ([*common, "--reference", str(broken)], ["not a JSON written by benchmarks/check.py"]),
+                        ([*common, "--", "--lrr", "1"], ["unknown config key --lrr"]),
+                        (["--data_path", str(tmp_path / "nope")], ["not a folder"])]:
+        with pytest.raises(UserError) as err:
+            main(argv, run=run, checkpoint=checkpoint)
+        assert all(w in str(err.value) for w in words), (argv, str(err.value))
+    with pytest.raises(SystemExit) as exit_:  # argparse's own errors: one line, status 2
+        main([*common, "--only", "speed"], run=run, checkpoint=checkpoint)
+    assert exit_.value.code == 2 and "invalid choice: 'speed'" in capsys.readouterr().err
+    assert calls == []
+
+
+def test_profile_step_saves_each_mode_on_cpu(tmp_path):
+    """The profiling script drives the trainer (one process) for each --amp_modes mode and saves its op table."""
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--config", "tiny", "--data_loader_config", "synthetic",
+           "--amp_modes", "none", "bf16_pure", "--warmup_steps", "1", "--steps", "1", "--rows", "5",
+           "--out", str(tmp_path), "--expdir", str(tmp_path / "runs")]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for mode in ("none", "bf16_pure"):
+        saved = json.loads((tmp_path / f"profile_tiny_{mode}.json").read_text())
+        assert saved["amp_mode"] == mode and saved["device"] == "cpu" and saved["step_ms"] > 0
+        names = [op["name"] for op in saved["ops"]]
+        assert "aten::addmm" in names and all(op["calls"] > 0 for op in saved["ops"])
+        assert f"--amp_mode {mode}: step" in proc.stdout
+
+
+def test_check_goes_on_after_a_failed_run_and_names_it(tiny_data, tmp_path):
+    from benchmarks.check import main
+    from utils.core.errors import UserError
+    calls, run, checkpoint = fake_check_runs({"ceiling_bf16": 100.0, "e2e_bf16": 90.0}, (0.5, 0.1))
+
+    def failing_fp8(name, args, expdir):
+        return {"returncode": 2, "error": "error: --amp_mode fp8 needs torchao\n"} if name == "fp8" else \
+            run(name, args, expdir)
+    out = tmp_path / "check.json"
+    with pytest.raises(UserError, match=r"1 measurement\(s\) failed: fp8 \(the fp8 run failed \(exit status 2;.*"
+                                        r"needs torchao\)"):
+        main(["--data_path", str(tiny_data), "--config", "tiny", "--amp_modes", "bf16", "--reference",
+              str(tmp_path / "none.json"), "--out", str(out)], run=failing_fp8, checkpoint=checkpoint)
+    saved = json.loads(out.read_text())
+    assert set(saved["metrics"]) == {"ceiling bf16 samples/s", "end to end bf16 samples/s", "end to end bf16 / ceiling",
+                                     "sync save stall s", "async save stall s"}
+    assert len(saved["failed"]) == 1 and calls[-1][0] == "checkpoint"

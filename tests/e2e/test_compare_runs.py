@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tools.compare_runs import main
+from utils.monitor.compare import default_out, differing_keys, legend_labels, load_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANNELS = ["u10m", "v10m", "t2m", "sp", "msl"]
@@ -306,3 +307,11 @@ def test_errors_are_one_line(case, expdir, tmp_path):
     assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
     assert res.stdout == ""
+
+
+def test_legends_name_what_differs_and_plots_land_beside_the_runs(expdir):
+    runs = load_runs([], expdir, None)
+    labels = legend_labels(runs, differing_keys(runs))
+    assert labels[0] == "1GPU/00: lr=0.001, world_size=1" and labels[3] == "2GPU/01: lr=0.0001, world_size=2"
+    assert default_out([], expdir) == expdir / "compare_runs"
+    assert default_out([r.path for r in runs], None) == expdir.absolute() / "compare_runs"  # runs' parent: tiny/

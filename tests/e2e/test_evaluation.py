@@ -124,7 +124,7 @@ def test_score_rollouts_forecasts_are_the_rollout_and_scores_match_skill_sums():
     sums, checks = score_rollouts(model, batches, stats, weights, k, contextlib.nullcontext,
                                   lambda inp, forecasts, tar, idx: seen.append((idx.clone(), [f.clone() for f in forecasts])))
     assert not model.training
-    want_sums = SkillSums(k, c, torch.device("cpu"))
+    want_sums = SkillSums(k, c, torch.device("cpu"), w // 2 + 1)
     assert [idx.tolist() for idx, _ in seen] == [[0, 1, 2], [3, 4]]
     for (inp, tar, _), (_, forecasts) in zip(batches, seen):
         want = successive(model, inp, k)
@@ -134,6 +134,8 @@ def test_score_rollouts_forecasts_are_the_rollout_and_scores_match_skill_sums():
         want_sums.add(inp, want, tar, stats, weights)
     torch.testing.assert_close(sums.mse, want_sums.mse)
     torch.testing.assert_close(sums.acc, want_sums.acc)
+    torch.testing.assert_close(sums.bias, want_sums.bias)
+    torch.testing.assert_close(sums.spectra, want_sums.spectra)
     assert sums.count.item() == 5
     assert all(bool(ok.all()) for _, ok in checks)
 
@@ -172,7 +174,7 @@ def test_skill_sums_scorecard_matches_xarray_reference():
     stats = Stats(torch.from_numpy(mean), torch.from_numpy(std), torch.from_numpy(clim))
     weights = latitude_weights(lat)
     np.testing.assert_allclose(weights.numpy(), wb2_cell_area_weights(lat), rtol=1e-6)
-    sums = SkillSums(k, c, torch.device("cpu"))
+    sums = SkillSums(k, c, torch.device("cpu"), w // 2 + 1)
     for sl in (slice(0, 4), slice(4, 7)):  # two batches
         sums.add(torch.from_numpy(inp[sl]), [torch.from_numpy(model[sl, j]) for j in range(k)],
                  torch.from_numpy(tar[sl]), stats, weights)
@@ -211,6 +213,9 @@ def test_skill_sums_scorecard_matches_xarray_reference():
         pooled = (a * b * wts).sum(("init", "lat", "lon")) / np.sqrt(
             (a * a * wts).sum(("init", "lat", "lon")) * (b * b * wts).sum(("init", "lat", "lon")))
         assert not np.allclose(got_acc, pooled.values, rtol=1e-3)  # ACC of pooled anomalies
+        got_bias = np.array([card.scores[name]["bias"][ch] for ch in names]).T
+        np.testing.assert_allclose(got_bias, space(fc - target).mean("init").values, rtol=1e-4,
+                                   atol=1e-4 * std.max(), err_msg=name)
     # persistence is the initial state at every lead: its error grows with the lead here
     pers = np.array(card.scores["persistence"]["rmse"]["a"])
     assert pers[0] < pers[1] < pers[2]
@@ -220,10 +225,14 @@ def test_skill_sums_scorecard_matches_xarray_reference():
     assert first["rmse/b"] == card.scores["model"]["rmse"]["b"][0]
     assert first["acc_persistence/c"] == card.scores["persistence"]["acc"]["c"][0]
     assert first["rmse_climatology/a"] == card.scores["climatology"]["rmse"]["a"][0]
+    assert first["bias_persistence/a"] == card.scores["persistence"]["bias"]["a"][0]
+    assert first["blurring/c"] == card.blurring["c"][0]
     assert "acc_climatology/a" not in first
     by_lead = card.lead_record(["b"])
-    assert set(by_lead) == {f"{m}_by_lead/b/{lbl}" for m in ("rmse", "acc") for lbl in ("006h", "012h", "018h")}
+    assert set(by_lead) == {f"{m}_by_lead/b/{lbl}" for m in ("rmse", "acc", "bias", "blurring")
+                            for lbl in ("006h", "012h", "018h")}
     assert by_lead["rmse_by_lead/b/012h"] == card.scores["model"]["rmse"]["b"][1]
+    assert by_lead["bias_by_lead/b/018h"] == card.scores["model"]["bias"]["b"][2]
     assert json.loads(json.dumps(card.to_json()))["scores"] == card.scores
 
 
@@ -312,7 +321,7 @@ def assert_cards_close(got: dict, want: dict, rtol: float = 1e-5, atol: float = 
     assert got["lead_hours"] == want["lead_hours"] and got["channels"] == want["channels"]
     assert got["initial_times"] == want["initial_times"]
     for f in FORECASTS:
-        for m in ("rmse", "acc"):
+        for m in ("rmse", "acc", "bias"):
             for ch in want["channels"]:
                 np.testing.assert_allclose(got["scores"][f][m][ch], want["scores"][f][m][ch], rtol=rtol, atol=atol,
                                            err_msg=f"{f} {m} {ch}")
@@ -382,7 +391,10 @@ def test_tensorboard_holds_the_rollout_scores(runs):
         last = events.Scalars(tag)[-1]
         assert last.step == rec["iteration"] == 16
         assert last.value == pytest.approx(rec[tag], rel=1e-6, abs=1e-7)
-    assert "skill_by_lead/valid" in tags["images"]
+    assert "skill_by_lead/valid" in tags["images"] and "spectra/valid" in tags["images"]
+    for tag in [f"{m}_by_lead/{ch}/{lbl}" for m in ("bias", "blurring") for ch in ("u10m", "t2m")
+                for lbl in ("006h", "012h", "018h")]:
+        assert events.Scalars(tag)[-1].value == pytest.approx(rec[tag], rel=1e-6, abs=1e-7)
 
 
 # ---------------------------------------------------------------- evaluate.py
@@ -434,20 +446,28 @@ def test_evaluate_writes_consistent_scorecard_files(runs, evals):
     n = valid_steps(runs["rollout"]) - 4
     assert card["lead_hours"] == [6.0, 12.0, 18.0, 24.0] and card["channels"] == CHANNELS
     assert card["initial_times"] == n == 44
-    with xr.open_dataarray(out / "scorecard.nc") as skill:
-        skill = skill.load()
-    assert skill.name == "skill" and skill.dims == ("metric", "forecast", "channel", "lead_time")
-    assert list(skill.metric.values) == ["rmse", "acc"] and list(skill.forecast.values) == list(FORECASTS)
+    with xr.open_dataset(out / "scorecard.nc") as ds:
+        ds = ds.load()
+    skill = ds["skill"]
+    assert skill.dims == ("metric", "forecast", "channel", "lead_time")
+    assert list(skill.metric.values) == ["rmse", "acc", "bias"] and list(skill.forecast.values) == list(FORECASTS)
+    assert ds["spectrum"].dims == ("source", "channel", "lead_time", "wavenumber") and ds.sizes["wavenumber"] == 33
+    np.testing.assert_allclose(ds["spectrum"].sel(source="truth", channel="t2m").values,
+                               card["spectra"]["truth"]["t2m"], rtol=1e-12)
+    np.testing.assert_allclose(ds["blurring"].sel(channel="sp").values, card["blurring"]["sp"], rtol=1e-12)
+    assert card["lead_time"] == card["lead_hours"] and card["lead_time_unit"] == "hours"
+    assert card["climatology"].startswith("climatology.h5: mean by day of year and hour of day")
     assert list(skill.channel.values) == CHANNELS
     assert list(skill.lead_time.values) == card["lead_hours"] and skill.lead_time.attrs["units"] == "hours"
-    assert int(skill.attrs["initial_times"]) == n
+    assert int(ds.attrs["initial_times"]) == n
     for f in FORECASTS:
-        for m in ("rmse", "acc"):
+        for m in ("rmse", "acc", "bias"):
             for ch in CHANNELS:
                 np.testing.assert_allclose(skill.sel(metric=m, forecast=f, channel=ch).values,
                                            card["scores"][f][m][ch], rtol=1e-12)
     assert (skill.sel(metric="acc", forecast="climatology").values == 0).all()
-    assert (out / "scorecard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for figure in ("scorecard.png", "spectra.png"):
+        assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --channels picks the table's channels
     stdout = evals["lead4"][1][0].stdout
     assert re.search(r"^\s+v10m\s+RMSE model", stdout, re.M) and not re.search(r"^\s+t2m\s+RMSE", stdout, re.M)

@@ -7,12 +7,19 @@ stop within the collective timeout with one line naming it.
 
 from __future__ import annotations
 
-import signal
+import re
 import time
 
 import pytest
 
-from tests.jobs import assert_same_state, reference_run, run_job, run_path, run_record, start_job
+from tests.jobs import (
+    assert_same_state,
+    reference_run,
+    run_job,
+    run_path,
+    run_record,
+    start_job,
+)
 from utils.core.errors import EXIT_PREEMPTED
 
 
@@ -57,9 +64,12 @@ def test_sigterm_at_an_epochs_last_step_resumes_before_its_report(tiny_data, tmp
 
 
 def test_without_checkpoints_a_signal_stops_at_once(tiny_data, tmp_path):
-    [(status, _, _)] = run_job(tmp_path, tiny_data, ["--save_checkpoint", "false"], 1, signal_at=3,
-                               KILL_SIGNAL="USR1")
-    assert status == -signal.SIGUSR1  # the default action: nothing would be saved, so no reason to go on
+    [(status, out, err)] = run_job(tmp_path, tiny_data, ["--save_checkpoint", "false"], 1, signal_at=3,
+                                   KILL_SIGNAL="USR1")
+    assert status == EXIT_PREEMPTED, err[-3000:]  # the preemption status all the same: a requeue runs it again
+    assert re.search(r"preempted by SIGUSR1 at iteration \d+: no checkpoint written \(--save_checkpoint false\)",
+                     out + err), out[-3000:]
+    assert not (run_path(tmp_path, 1) / "checkpoints" / "latest").exists()
 
 
 def test_a_stopped_rank_makes_the_others_exit_naming_it(tiny_data, tmp_path):

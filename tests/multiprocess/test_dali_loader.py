@@ -1,4 +1,4 @@
-"""The DALI loader (utils/dali_loader.py) gives exactly the native loader's batches, on CPU-only pipelines.
+"""The DALI loader (utils/data/dali.py) gives exactly the native loader's batches, on CPU-only pipelines.
 
 DALI worker processes are slow to spawn, so each test builds few pipelines and reuses them over
 several epochs.
@@ -91,20 +91,24 @@ def test_dali_batches_equal_native_batches(loaders, dp_size, dp_rank, overrides)
     # the last-batch policy matters: samples per rank do not fill whole batches
     assert (n_train // dp_size) % BATCH and (n_valid // dp_size) % BATCH
 
-    seen = []
+    seen, pipes = [], []
     for epoch in (0, 1):
         got = epoch_batches(dali.train, epoch)
         assert_same(got, epoch_batches(native.train, epoch), f"train epoch {epoch}")
         assert all(len(idx) == BATCH for _, _, idx in got)  # incomplete last batch dropped
         seen.append(torch.cat([idx for _, _, idx in got]))
+        pipes.append(dali.train._pipe)
     assert not torch.equal(seen[0], seen[1]), "the order must change between epochs"
+    assert pipes[0] is pipes[1], "consecutive epochs must run on in one pipeline"
 
     got = epoch_batches(dali.valid)
     assert_same(got, epoch_batches(native.valid), "valid")
     assert len(got[-1][2]) == (n_valid // dp_size) % BATCH  # incomplete last batch kept
     assert torch.equal(torch.cat([idx for _, _, idx in got]),
                        torch.arange(n_valid)[dp_rank:n_valid - n_valid % dp_size:dp_size])
+    pipe = dali.valid._pipe
     assert_same(epoch_batches(dali.valid), epoch_batches(native.valid), "valid, second pass")
+    assert dali.valid._pipe is pipe, "validation passes must run on in one pipeline"
 
 
 def test_abandoned_and_skipped_epochs(loaders):

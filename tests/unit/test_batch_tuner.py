@@ -16,6 +16,7 @@ from distributed.launch import LaunchEnv
 from distributed.world import World
 from tests.dist_utils import run_distributed
 from utils.tuner.report import plot, report_table, save_json
+from utils.tuner.tune import short_epochs
 from utils.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_args, choose, combine, scaled_lr, search
 from utils.config.cli import cli_config
 from utils.config.loading import load_config
@@ -163,8 +164,17 @@ def test_choice_args_train_with_the_choice():
     assert args[:len(base)] == base
     cfg = cli_config(args, "tiny")  # the real parser: the appended keys win
     assert cfg.optim.local_batch_size == 32 and cfg.optim.lr == pytest.approx(1e-3 * math.sqrt(8), rel=1e-5)
-    same = choice_args(Trial(8, 16), base, lr=1e-3, base_global=16)
+    same = choice_args(Trial(8, 16), base, lr=1e-3, base_global=16, num_iters=800)
     assert same == base + ["--local_batch_size", "8"]  # same global batch: the lr is left alone
+    longer = cli_config(choice_args(Trial(32, 64), base, lr=1e-3, base_global=8, num_iters=800), "tiny")
+    assert longer.optim.num_iters == 100  # the samples of 800 steps at 8: 800 x 8 / 64
+
+
+def test_a_choice_that_leaves_epochs_of_few_steps_says_so():
+    cfg = cli_config(["--config", "tiny", "--data_loader_config", "synthetic", "--limit_nsamples", "504"], "tiny")
+    notes = short_epochs(cfg, {"max-throughput": Trial(256, 256), "min-batch-at-peak": Trial(64, 64)})
+    assert notes == ["max-throughput: global batch 256 leaves 1 step(s) per epoch of 504 training samples (248 "
+                     "unused each epoch); train on more samples, or pass a smaller --local_batch_size"]
 
 
 def test_report_table_json_and_png(tmp_path):
@@ -190,10 +200,15 @@ def test_report_table_json_and_png(tmp_path):
     save_json(tmp_path / "none.json", trials, {}, {})
     assert json.loads((tmp_path / "none.json").read_text())["choice"] == {name: None for name in OBJECTIVES}
 
-    fig = plot(tmp_path / "tune.png", trials)
+    fig = plot(tmp_path / "tune.png", trials, choices, budget_bytes=90 * GIB)
     assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     labels = {text.get_text() for text in fig.axes[0].get_legend().get_texts()}
-    assert {"samples/s", "peak reserved", "peak allocated", "allocator retries", "OOM"} <= labels
+    picks = {f"pick: {name} ({choices[name].local_batch_size})" for name in OBJECTIVES}
+    assert {"samples/s", "peak reserved", "peak allocated", "allocator retries", "OOM", "memory budget"} | picks <= labels
+    assert "GPU" not in fig.axes[0].get_title() and "CUDA" in fig.axes[0].get_title()
+    cpu = plot(tmp_path / "cpu.png", trials, device="cpu")
+    cpu_labels = {text.get_text() for text in cpu.axes[0].get_legend().get_texts()}
+    assert "peak RSS" in cpu_labels and "peak allocated" not in cpu_labels and "peak reserved" not in cpu_labels
 
 
 def _two_ranks(rank: int, world_size: int, out: str) -> None:

@@ -420,7 +420,7 @@ def test_keys_left_out_of_the_yaml_take_the_schema_default(tmp_path):
     ("a:\n  lr: fast\n", r"c.yaml, config a: lr expects a number \(FLOAT\), got 'fast'"),
     ("a:\n  depth: true\n", r"config a: depth expects an integer"),
     ("a:\n  img_size: 64\n", r"config a: img_size expects a list like"),
-    ("a:\n  amp_mode: fp4\n", r"config a: amp_mode must be one of none, fp16, bf16, fp8"),
+    ("a:\n  amp_mode: fp4\n", r"config a: amp_mode must be one of none, fp16, bf16, bf16_pure, fp8"),
     ("a:\n  depht: 3\n", r"config a: unknown config key depht; did you mean depth"),
     ("a:\n  depth: 0\n", r"--depth must be >= 1, got 0"),
     # a key repeated inside a config that also uses a merge key: YAML would keep the last silently
@@ -518,7 +518,7 @@ def test_expdir_that_is_a_file_or_read_only_is_rejected(tmp_path):
         validate(load_cfg("tiny", expdir=str(blocker / "runs")), Launch())
 
 
-# ---------------------------------------------------------------- help, config list, README
+# ---------------------------------------------------------------- help, config list, flag table
 def test_help_lists_every_key_by_section_within_80_columns():
     text = full_help()
     assert all(len(line) <= 80 for line in text.splitlines()), [line for line in text.splitlines() if len(line) > 80]
@@ -527,7 +527,7 @@ def test_help_lists_every_key_by_section_within_80_columns():
         assert f"\n{title}\n" in text
     for name, spec in KEYS.items():
         assert f"--{name} " in text, name
-    assert "--amp_mode {none,fp16,bf16,fp8}  (default none)" in text
+    assert "--amp_mode {none,fp16,bf16,bf16_pure,fp8}  (default none)" in text
     assert "--local_batch_size INT or {auto} or null  (default null)" in text
 
 
@@ -562,8 +562,18 @@ def test_config_list_names_every_config():
     assert names == NAMES
 
 
-def test_readme_flag_table_is_generated_from_the_schema():
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- flags:start -->\n(.*?)\n<!-- flags:end -->", readme, re.S)
-    assert block, "README.md lacks the generated flag table markers"
-    assert block.group(1) == markdown_flags(), "README flag table is stale: run python -m utils.config --update-readme"
+def test_docs_flag_table_is_generated_from_the_schema(tmp_path):
+    from utils.config.cli import FLAGS_DOC, update_docs
+    docs = FLAGS_DOC.read_text()
+    block = re.search(r"<!-- flags:start -->\n(.*?)\n<!-- flags:end -->", docs, re.S)
+    assert block, f"{FLAGS_DOC} lacks the generated flag table markers"
+    assert block.group(1) == markdown_flags(), \
+        "docs/configs.md flag table is stale: run python -m utils.config.cli --update-docs"
+    assert "flags:start" not in (REPO / "README.md").read_text()  # one generated table, in the docs
+    stale = tmp_path / "configs.md"
+    stale.write_text("# Configs\n<!-- flags:start -->\n| old |\n<!-- flags:end -->\nafter\n")
+    update_docs(stale)
+    assert stale.read_text() == f"# Configs\n<!-- flags:start -->\n{markdown_flags()}\n<!-- flags:end -->\nafter\n"
+    stale.write_text("no markers\n")
+    with pytest.raises(UserError, match="needs one <!-- flags:start -->"):
+        update_docs(stale)

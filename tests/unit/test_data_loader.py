@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from utils.config.loading import load_config
+from utils.data import dataset
 from utils.data.dataset import ERA5Dataset
 from utils.data.loaders import Data, build_data, split_batches
+from utils.data.native import NumberedBatches
 from utils.data.metadata import equiangular_latitudes, read_metadata
 from utils.data.stats import Stats
 from utils.data.synthetic import SyntheticBatches
@@ -305,6 +307,99 @@ def test_start_batch_yields_the_rest_of_the_epoch(long_layout, workers):
 
 
 @pytest.fixture
+def handed_out(monkeypatch) -> list[list[int]]:
+    """The sample indices of every batch the loaders hand to their workers, in order (the DataLoader takes
+    them from ``NumberedBatches`` in this process)."""
+    log = []
+    items = NumberedBatches._items
+
+    def logged(self, epoch, start):
+        for item in items(self, epoch, start):
+            log.append(item[2])
+            yield item
+
+    monkeypatch.setattr(NumberedBatches, "_items", logged)
+    return log
+
+
+def epoch_orders(root: Path, epochs) -> dict[int, list]:
+    """Each epoch's batches, each epoch read by a fresh loader without workers: the reference."""
+    return {e: take_epoch(build(root, 1).train, e) for e in epochs}
+
+
+def take_epoch(batches, epoch: int, start: int = 0, limit: int | None = None) -> list:
+    """The trainer's pattern: ``set_epoch``, then ``next`` for each batch, never exhausting the iterator."""
+    batches.set_epoch(epoch, start)
+    it = iter(batches)
+    return [tuple(t.clone() for t in next(it)) for _ in range((limit or len(batches)) - start)]
+
+
+def test_workers_read_the_next_epoch_while_this_one_ends(long_layout, handed_out):
+    """Consecutive epochs come from one running DataLoader iteration: its workers got the next epoch's first
+    batches before that epoch was asked for, and the batches equal those of separate iterations."""
+    want = epoch_orders(long_layout, range(3))
+    handed_out.clear()
+    train = build(long_layout, 1, num_data_workers=2).train
+    n, in_flight = len(train), 4  # 2 workers x prefetch 2
+    got = take_epoch(train, 0)
+    stream = train.stream
+    assert [indices for indices in handed_out[n:]] == [[i.item() for i in b[2]] for b in want[1][:in_flight]]
+    for e in (1, 2):
+        assert_batches_equal(got, want[e - 1])
+        got = take_epoch(train, e)
+    assert_batches_equal(got, want[2])
+    assert train.stream is stream and len(handed_out) == 3 * n + in_flight
+
+
+def test_resumed_and_abandoned_epochs_run_on_exactly(long_layout):
+    """A resumed epoch runs on into the next; an epoch left a few batches short (gradient accumulation) too, its
+    rest dropped; one left early, or a jump, restarts the workers; a superseded iterator refuses to go on."""
+    want = epoch_orders(long_layout, range(3, 8))
+    train = build(long_layout, 1, num_data_workers=2).train
+    n = len(train)
+    assert_batches_equal(take_epoch(train, 3, start=7), want[3][7:])
+    stream = train.stream
+    assert_batches_equal(take_epoch(train, 4, limit=n - 3), want[4][:n - 3])  # 3 batches unused
+    assert_batches_equal(take_epoch(train, 5), want[5])
+    assert train.stream is stream  # resumed, then run on past the unused batches
+    assert_batches_equal(take_epoch(train, 6, limit=2), want[6][:2])
+    assert_batches_equal(take_epoch(train, 7), want[7])
+    assert train.stream is not stream  # 13 batches left: restarted at epoch 7
+    train.set_epoch(3, n - 3)
+    old = iter(train)
+    assert_batches_equal([tuple(t.clone() for t in next(old))], want[3][n - 3:n - 2])
+    train.set_epoch(4)
+    new = iter(train)
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(old)
+    assert_batches_equal([tuple(t.clone() for t in next(new))], want[4][:1])
+
+
+def test_a_read_error_of_the_next_epoch_waits_for_its_batch(tmp_path):
+    """The workers read the next epoch's first batches while this epoch ends: a sample they cannot read fails
+    only the epoch that uses it, with one line naming file and time."""
+    make_layout(tmp_path, train_lengths=(9, 8))
+    train = build(tmp_path, 1, num_data_workers=2).train
+    ds, n = train.filler.dataset, len(train)
+    # the last sample of a file is the only one to read the file's last time step (as its target): find
+    # epochs e, e + 1 where it comes early in e + 1 (read ahead) and before the last two batches of e
+    found = [(e, s, order.index([s]), following.index([s])) for e in range(40) for s in (7, 14)
+             for order, following in [(train.batches.epoch_batches(e), train.batches.epoch_batches(e + 1))]
+             if following.index([s]) < 4 and order.index([s]) < n - 2]
+    epoch, sample, position, position_next = found[0]
+    file_no, t = ds.locate(sample)
+    corrupt_chunk(ds.files[file_no].path, t + 1)
+    assert len(take_epoch(train, epoch, position + 1)) == n - position - 1  # the bad batch read meanwhile
+    path = re.escape(str(ds.files[file_no].path))
+    train.set_epoch(epoch + 1)
+    it = iter(train)
+    for _ in range(position_next):
+        next(it)
+    with pytest.raises(UserError, match=rf"^cannot read time {t + 1} of {path} [^\n]*\Z"):
+        next(it)
+
+
+@pytest.fixture
 def reads(monkeypatch) -> list[tuple[int, int]]:
     """Every ``(file, time)`` that ``ERA5Dataset.read`` reads in this process, in order."""
     log = []
@@ -439,13 +534,27 @@ def test_wrong_stats_shape(tmp_path, name, shape, pattern):
         build(tmp_path)
 
 
-def test_non_positive_stds(tmp_path):
+@pytest.mark.parametrize("value,words", [(0.0, "a zero standard deviation"), (-1.0, "a negative standard deviation"),
+                                         (1e-9, "a near-zero standard deviation")])
+def test_zero_negative_and_near_zero_stds_are_named(tmp_path, value, words):
     make_layout(tmp_path)
     std = np.ones((1, C, 1, 1), np.float32)
-    std[0, 2] = 0.0
+    std[0, 2] = value
     np.save(tmp_path / "stats" / "global_stds.npy", std)
-    with pytest.raises(UserError, match="non-positive"):
+    with pytest.raises(UserError, match=f"global_stds.npy: channel 2 has {words}"):
         build(tmp_path)
+
+
+def test_a_grid_larger_than_the_crop_is_named_once(tmp_path, caplog):
+    make_layout(tmp_path)
+    dataset._CROPS_WARNED.clear()  # other tests of this process may have warned about this grid already
+    ERA5Dataset(tmp_path / "train", C, IMG, 1)
+    ERA5Dataset(tmp_path / "valid", C, IMG, 1)
+    warnings = [r.getMessage() for r in caplog.records if "training sees only its north-west corner" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"drops 2 rows and 3 columns; pass --img_size [{GRID[0]},{GRID[1]}]" in warnings[0]
+    ERA5Dataset(tmp_path / "train", C, (GRID[0] - 1, GRID[1] - 1), 1)  # one row and column, as 721 -> 720
+    assert len([r for r in caplog.records if "north-west" in r.getMessage()]) == 1
 
 
 def npy_bytes(array: np.ndarray, **kwargs) -> bytes:

@@ -234,7 +234,8 @@ def test_convert_round_trip(small_nc, tmp_path):
                   "valid": [f"2020_m{m:02d}.h5" for m in range(3)]}
     for split, files in want_files.items():
         assert [p.name for p in layout.split_files(tmp_path, split)] == files
-    assert summary["samples"] == {"train": 3 * (3 + 1), "valid": 3 * 3}
+    # samples run on across the new year: 6 consecutive training steps per member
+    assert summary["samples"] == {"train": 3 * (6 - 1), "valid": 3 * 3}
     assert summary["time_range"]["valid"] == ("2020-01-01T12:00:00", "2020-01-02T06:00:00")
     for m in range(3):
         for year, idx in train_idx.items():
@@ -266,13 +267,15 @@ def test_convert_member_selection_and_fraction(small_nc, tmp_path):
     assert_stats_equal(load_stats(tmp_path), reference)
 
 
-def test_convert_skips_single_step_year(small_nc, tmp_path):
+def test_convert_keeps_single_step_year_that_continues_the_previous(small_nc, tmp_path):
     path, ds = small_nc
     summary = convert.convert(path, tmp_path, **dict(CONVERT_ARGS, valid_start="2020-01-01T06"))
-    # the training split ends with 2020-01-01T00 alone in its year: no sample, so no file
-    assert [p.name for p in layout.split_files(tmp_path, "train")] == [f"2019_m{m:02d}.h5" for m in range(3)]
-    assert any("skipped train/2020_m00.h5" in n for n in summary["notes"])
-    reference = numpy_stats([expected_fields(ds, m, np.arange(4)).astype(np.float32) for m in range(3)])
+    # the training split ends with 2020-01-01T00 alone in its year: one step after 2019's last, so its file is
+    # kept and the sample 2019-12-31T18 -> 2020-01-01T00 runs across the two files
+    assert [p.name for p in layout.split_files(tmp_path, "train")] == [f"{y}_m{m:02d}.h5" for y in (2019, 2020)
+                                                                       for m in range(3)]
+    assert not any("skipped" in n for n in summary["notes"]) and summary["samples"]["train"] == 3 * 4
+    reference = numpy_stats([expected_fields(ds, m, np.arange(5)).astype(np.float32) for m in range(3)])
     assert_stats_equal(load_stats(tmp_path), reference)
 
 
@@ -283,7 +286,8 @@ def test_convert_alternative_names_without_members(tmp_path):
     path = write_nc(ds, tmp_path / "wb2.nc", engine="netcdf4", format="NETCDF3_CLASSIC")  # h5netcdf cannot read it
     summary = convert.convert(path, tmp_path / "out", ["z"], [500], valid_fraction=0.5, verbose=False)
     assert summary["channels"] == ["z500"] and summary["grid"] == (7, 10) and summary["members"] is None
-    assert [p.name for p in layout.split_files(tmp_path / "out", "train")] == ["2019.h5"]  # 2020: 1 step
+    # 2020: 1 step, continuing 2019
+    assert [p.name for p in layout.split_files(tmp_path / "out", "train")] == ["2019.h5", "2020.h5"]
     got = read_fields(tmp_path / "out" / "valid" / "2020.h5")
     np.testing.assert_array_equal(got[:, 0], ds["z"].sel(pressure_level=500).values[5:, ::-1].astype(np.float32))
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils.evaluation.metrics import (latitude_weights, relative_l2_loss, rmse_from_mse, weighted_acc_channels, weighted_mse_channels)
+from utils.evaluation.metrics import (latitude_weights, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
+                                      weighted_bias_channels, weighted_mse_channels)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -218,3 +219,28 @@ def test_weighted_acc_zero_anomaly_is_finite():
     out = weighted_acc_channels(clim.clone(), target, clim, torch.ones(4))
     assert torch.isfinite(out).all()
     assert torch.count_nonzero(out) == 0
+
+
+# ---------------------------------------------------------------- bias
+def test_weighted_bias_matches_reference():
+    rng = np.random.default_rng(7)
+    pred, target = rand(rng, 3, 2, 6, 5), rand(rng, 3, 2, 6, 5)
+    lat = np.linspace(80, -80, 6)
+    w = ref_latitude_weights(lat)
+    want = np.einsum("bchw,h->bc", pred - target, w) / (6 * 5)
+    got = weighted_bias_channels(torch.from_numpy(pred), torch.from_numpy(target), latitude_weights(lat))
+    assert got.shape == (3, 2) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), want, **TOL)
+
+
+def test_weighted_bias_is_signed_and_zero_for_pure_noise_around_the_truth():
+    lat = np.linspace(60, -60, 4)
+    target = torch.randn(2, 1, 4, 8, generator=torch.Generator().manual_seed(0))
+    w = latitude_weights(lat)
+    # a constant offset is the bias whatever the weights (they average to 1); its sign says too high or too low
+    torch.testing.assert_close(weighted_bias_channels(target + 2.5, target, w), torch.full((2, 1), 2.5))
+    torch.testing.assert_close(weighted_bias_channels(target - 1.0, target, w), torch.full((2, 1), -1.0))
+    # +e and -e errors cancel in the bias (not in the RMSE)
+    err = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(1))
+    both = torch.cat([target[:1] + err, target[:1] - err])
+    assert abs(weighted_bias_channels(both, target[:1].expand(2, -1, -1, -1), w).sum().item()) < 1e-5

@@ -110,7 +110,8 @@ def _show_plain(value: Any) -> str:
 
 
 def markdown_flags() -> str:
-    """The README's flag table, generated from the schema (tests/test_config.py keeps them equal)."""
+    """The flag table of ``docs/configs.md``, generated from the schema (``tests/unit/test_config.py`` keeps them
+    equal)."""
     rows = ["| flag | type | default | meaning |", "|---|---|---|---|"]
     for attr, (_, title) in SECTIONS.items():
         rows.append(f"| **{title}** | | | |")
@@ -120,16 +121,25 @@ def markdown_flags() -> str:
     return "\n".join(rows)
 
 
-def update_readme(path: Path = REPO / "README.md") -> None:
-    """Replace the README's generated flag table (between the ``flags:start``/``flags:end`` markers)."""
+FLAGS_DOC = REPO / "docs" / "configs.md"  # the page holding the generated flag table
+FLAGS_START, FLAGS_END = "<!-- flags:start -->", "<!-- flags:end -->"
+
+
+def update_docs(path: Path = FLAGS_DOC) -> None:
+    """Replace the generated flag table of ``path`` (between the ``flags:start``/``flags:end`` markers).
+
+    Raises:
+        UserError: ``path`` lacks one of the markers, or has either more than once.
+    """
     text = path.read_text()
-    start, end = "<!-- flags:start -->", "<!-- flags:end -->"
-    if text.count(start) != 1 or text.count(end) != 1:
-        raise UserError(f"{path} needs one {start} and one {end} line around the flag table")
-    head, rest = text.split(start)
-    tail = rest.split(end)[1]
-    path.write_text(f"{head}{start}\n{markdown_flags()}\n{end}{tail}")
-if __name__ == "__main__":  # python -m utils.config --update-readme
-    if sys.argv[1:] != ["--update-readme"]:
-        sys.exit("usage: python -m utils.config --update-readme")
-    update_readme()
+    if text.count(FLAGS_START) != 1 or text.count(FLAGS_END) != 1:
+        raise UserError(f"{path} needs one {FLAGS_START} and one {FLAGS_END} line around the flag table")
+    head, rest = text.split(FLAGS_START)
+    tail = rest.split(FLAGS_END)[1]
+    path.write_text(f"{head}{FLAGS_START}\n{markdown_flags()}\n{FLAGS_END}{tail}")
+
+
+if __name__ == "__main__":  # python -m utils.config.cli --update-docs
+    if sys.argv[1:] != ["--update-docs"]:
+        sys.exit("usage: python -m utils.config.cli --update-docs")
+    update_docs()

@@ -33,8 +33,9 @@ def read_yaml(path: str | Path) -> dict[str, dict]:
     """Parse a YAML file of named configs (merge keys resolved).
 
     Raises:
-        UserError: missing file, invalid YAML, a key repeated inside one mapping (which YAML merge
-            keys would otherwise resolve silently), or a document that is not ``name: {settings}``.
+        UserError: missing or unreadable file, text that is not UTF-8 (binary, UTF-16), invalid YAML, an
+            anchor that contains itself, a key repeated inside one mapping (which YAML merge keys would
+            otherwise resolve silently), or a document that is not ``name: {setting: value}`` with names.
     """
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
@@ -43,7 +44,7 @@ def read_yaml(path: str | Path) -> dict[str, dict]:
         path = REPO / path  # the shipped configs, wherever the run is started from
     if not path.is_file():
         raise UserError(f"config file {path} not found; pass --yaml_config config/ViT.yaml")
-    text = path.read_text()
+    text = _read_text(path)
     yaml = YAML(typ="safe", pure=True)
     try:
         _reject_duplicate_keys(yaml.compose(text), path)
@@ -53,9 +54,43 @@ def read_yaml(path: str | Path) -> dict[str, dict]:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise UserError(f"config file {path} is not valid YAML ({problem}{where}); fix the file") from None
+    except RecursionError:
+        raise UserError(f"config file {path} has an anchor that refers to itself (&name ... *name inside it); "
+                        "merge anchors of other configs only") from None
+    _check_shape(data, path)
+    return data
+
+
+def _read_text(path: Path) -> str:
+    """The file's text (UTF-8, with or without a byte-order mark). Raises UserError for anything else."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"config file {path} cannot be read ({exc.strerror}); check its permissions") from None
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise UserError(f"config file {path} is UTF-16 text; save it as UTF-8")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {path} is not UTF-8 text (byte {exc.start}: binary or another encoding); "
+                        "save it as UTF-8") from None
+    if "\x00" in text:
+        raise UserError(f"config file {path} contains NUL bytes (a binary file?); pass a YAML text file")
+    return text
+
+
+def _check_shape(data: Any, path: Path) -> None:
+    """``data`` maps config names (strings) to settings (string keys). Raises UserError naming what is not."""
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise UserError(f"config file {path} must map config names to settings (name: {{key: value, ...}})")
-    return data
+    for name, settings in data.items():
+        if not isinstance(name, str):
+            raise UserError(f"config file {path}: config name {name!r} is not a string; "
+                            "quote it or use letters")
+        bad = [k for k in settings if not isinstance(k, str)]
+        if bad:
+            raise UserError(f"config file {path}, config {name}: key {bad[0]!r} is not a "
+                            "setting name (a string, like lr: 0.001)")
 
 
 def _reject_duplicate_keys(node, path: Path) -> None:

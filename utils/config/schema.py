@@ -16,8 +16,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from utils.config.fp8_speed import help_note
 from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL,
-                                KeySpec, key, plain)
+                                Check, KeySpec, key, plain)
 
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
@@ -37,6 +38,13 @@ FP8_KEYS = ("fp8_recipe", "fp8_all_gather")
 FP8_MIN_CAPABILITY = (9, 0)
 
 
+# --simulate_rank all-distinct: every rank whose shard sizes differ from those of the ranks before it
+ALL_DISTINCT = "all-distinct"
+
+
+RANK_OR_ALL_DISTINCT = Check(f">= 0 or {ALL_DISTINCT}", lambda v: v == ALL_DISTINCT or v >= 0)
+
+
 @dataclass
 class ModelConfig:
     """The network (``networks/``)."""
@@ -53,7 +61,7 @@ class ModelConfig:
 class DataConfig:
     """Data layout, samples and loaders (``utils/data_loader.py``, ``utils/dali_loader.py``)."""
 
-    data_path: str = key("/data", "data root: train/, valid/ and stats/ (README: Data layout)")
+    data_path: str = key("/data", "data root: train/, valid/ and stats/ (docs/data.md)")
     img_size: tuple[int, int] = key((360, 720), "(H, W) crop from the north-west corner, grid points",
                                     AT_LEAST_1)
     n_in_channels: int = key(20, "input channels C (must match the files)", AT_LEAST_1)
@@ -89,9 +97,11 @@ class OptimConfig:
 class PrecisionConfig:
     """Precision and speed: AMP, fused Adam, compile, attention kernel, activation checkpointing."""
 
-    amp_mode: Literal["none", "fp16", "bf16", "fp8"] = key(
-        "none", "autocast dtype; fp16 adds a GradScaler; fp8: bf16 autocast plus float8 linears (torchao) in the "
-                "transformer blocks (Hopper or newer GPU, the fp8 extra)")
+    amp_mode: Literal["none", "fp16", "bf16", "bf16_pure", "fp8"] = key(
+        "none", "autocast dtype; fp16 adds a GradScaler; bf16_pure: bf16 autocast and a bf16 residual stream between "
+                "the blocks (fp32 master weights, Adam state, LayerNorm statistics, softmax and loss), the arithmetic "
+                "FSDP's bf16 parameters give; fp8: bf16 autocast plus float8 linears (torchao) in the transformer "
+                f"blocks (Hopper or newer GPU, the fp8 extra); {help_note()}")
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = key(
         "tensorwise", "fp8: torchao.float8 recipe: per-tensor or per-row dynamic scaling; rowwise_with_gw_hp keeps "
                       "the weight-gradient GEMM in bf16")
@@ -129,6 +139,13 @@ class ParallelConfig:
     rendezvous_timeout_s: float = key(300.0, "seconds to wait for every rank to join before failing", POSITIVE)
     collective_timeout_s: float = key(600.0, "seconds a collective may wait before failing; a rank silent for 3/4 of "
                                       "it (stopped, frozen) stops the job", POSITIVE)
+    simulate_world_size: int = key(0, "plan a job of this many ranks on one device: run as one of its ranks on torch's "
+                                      "fake process group (collectives move no data: losses meaningless, no "
+                                      "communication time, no checkpoint); without a GPU, a dry run on fake tensors "
+                                      "(0: off; docs/planning.md)", NON_NEGATIVE)
+    simulate_rank: Union[int, Literal["all-distinct"]] = key(
+        0, "simulate_world_size: the rank simulated; all-distinct (tuner, dry run): one rank of each group whose shard "
+           "sizes differ, the largest first", RANK_OR_ALL_DISTINCT)
 
 
 @dataclass
@@ -136,8 +153,10 @@ class CheckpointConfig:
     """Sharded checkpoints, resume and the model export (``distributed/checkpoint.py``)."""
 
     save_checkpoint: bool = key(True, "write sharded checkpoints and, at the end, checkpoints/model.pt")
-    checkpoint_every_steps: int = key(0, "checkpoint every N optimizer steps (0: only at the end)", NON_NEGATIVE)
-    checkpoint_every_minutes: float = key(0.0, "checkpoint when M minutes passed since the last one (0: off)",
+    checkpoint_every_steps: int = key(0, "also checkpoint every N optimizer steps (0: by time and at the end only)",
+                                      NON_NEGATIVE)
+    checkpoint_every_minutes: float = key(30.0, "checkpoint when M minutes passed since the last one (0: off); a "
+                                                "killed run loses at most that much",
                                           NON_NEGATIVE)
     keep_checkpoints: int = key(2, "complete checkpoints kept; older ones are deleted", AT_LEAST_1)
     async_checkpoint: bool = key(False, "write checkpoints in the background (DCP async_save)")

@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.config.schema import (CUDA_ONLY_ATTENTION, FP8_KEYS, FP8_MIN_CAPABILITY, HALF_ONLY_ATTENTION, KEYS, Config,
-                                 OptimConfig, ParallelConfig)
+from utils.config.schema import (ALL_DISTINCT, CUDA_ONLY_ATTENTION, FP8_KEYS, FP8_MIN_CAPABILITY, HALF_ONLY_ATTENTION,
+                                 KEYS, Config, OptimConfig, ParallelConfig)
 from utils.config.types import AUTO
 from utils.core.errors import UserError
+from utils.core.files import check_output_path
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,51 @@ def validate(cfg: Config, launch: Launch) -> None:
     Raises:
         UserError: the first problem found, naming the keys involved and a fix.
     """
+    launch = simulated_launch(cfg, launch)
     for check in (_check_model, _check_batches, _check_precision, _check_parallel, _check_checkpoint, _check_paths):
         check(cfg, launch)
+
+
+# the GPU a dry run without one checks the config for (--simulate_world_size on a CPU): Hopper, as FP8 needs
+PLANNED_GPU_CAPABILITY = (9, 0)
+
+
+def simulated_launch(cfg: Config, launch: Launch) -> Launch:
+    """The launch the config is checked against: ``launch`` itself, or with ``--simulate_world_size N`` the
+    simulated job of N ranks (``distributed/simulate.py``), on this GPU or, for a dry run without one, on GPUs of
+    compute capability :data:`PLANNED_GPU_CAPABILITY`.
+
+    Raises:
+        UserError: ``--simulate_rank`` without ``--simulate_world_size`` or outside the simulated world; a
+            simulation launched as several processes, continuing a checkpoint, in fp16, or with HSDP and no
+            ``--hsdp_shard_size``.
+    """
+    par = cfg.parallel
+    n, rank = par.simulate_world_size, par.simulate_rank
+    if not n:
+        if rank != KEYS["simulate_rank"].default:
+            raise UserError(f"--simulate_rank {rank} has no effect without --simulate_world_size; add "
+                            "--simulate_world_size N (the job's ranks) or drop --simulate_rank")
+        return launch
+    if launch.world_size > 1:
+        raise UserError(f"--simulate_world_size runs one process as one rank of a simulated job, but this job has "
+                        f"{launch.world_size} processes; start it as one process (no torchrun or srun), or drop "
+                        "--simulate_world_size to train for real")
+    if rank != ALL_DISTINCT and rank >= n:
+        raise UserError(f"--simulate_rank {rank} is outside the simulated world of {n} ranks; pick 0 to {n - 1} "
+                        f"or {ALL_DISTINCT}")
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        raise UserError(f"--simulate_world_size writes no checkpoint and continues none, but --resume is "
+                        f"{cfg.checkpoint.resume}; drop --resume")
+    if cfg.precision.amp_mode == "fp16":
+        raise UserError("--amp_mode fp16 under --simulate_world_size: the GradScaler skips the optimizer steps of a "
+                        "simulated rank, whose gradients are arbitrary, so Adam's state would be missing from the "
+                        "plan; plan with --amp_mode bf16 (the same bytes)")
+    if par.fsdp == "hsdp" and not par.hsdp_shard_size:
+        raise UserError("--fsdp hsdp under --simulate_world_size needs --hsdp_shard_size: the ranks per shard "
+                        "group of the job you plan (its GPUs per node, 4 on Perlmutter), which this machine "
+                        "cannot tell")
+    return Launch(n, True, launch.cuda_capability if launch.cuda else PLANNED_GPU_CAPABILITY)
 
 
 def _check_model(cfg: Config, launch: Launch) -> None:
@@ -189,10 +233,8 @@ def _check_checkpoint(cfg: Config, launch: Launch) -> None:
 
 
 def _check_paths(cfg: Config, launch: Launch) -> None:
-    run_num = cfg.logging.run_num
-    if not run_num or run_num in (".", "..") or "/" in run_num or "\\" in run_num:
-        raise UserError(f"--run_num {run_num!r} must be a plain name like 00 or lr1e-3 (or auto)")
-    expdir = Path(cfg.logging.expdir)
+    check_output_path("--run_num", cfg.logging.run_num, name=True)
+    expdir = check_output_path("--expdir", cfg.logging.expdir)
     existing = next(p for p in (expdir, *expdir.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise UserError(f"--expdir {expdir}: {existing} is a file, not a directory; pass another --expdir")

@@ -55,13 +55,14 @@ def one_line(exc: BaseException | str) -> str:
 
 
 def exit_status(main, *args, **kwargs) -> int:
-    """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status 0 (also after
+    """Run ``main(*args, **kwargs)`` for a command-line entry point: exit status ``main``'s when it returns an
+    ``int`` (a launcher passing its workers' on), else 0 (also after
     :class:`NothingToDo`, whose message goes to stdout), :data:`EXIT_PREEMPTED` after
     :class:`Preempted` (message to stdout), or :func:`failure_status` (2, or :data:`EXIT_OUT_OF_MEMORY`)
     with ``error: <message>`` on stderr (no traceback) for a :class:`UserError`."""
     try:
-        main(*args, **kwargs)
-        return 0
+        status = main(*args, **kwargs)
+        return status if type(status) is int else 0
     except NothingToDo as exc:
         print(exc, flush=True)
         return 0

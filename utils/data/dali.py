@@ -25,17 +25,18 @@ batches. Training drops the incomplete last batch (as the native ``drop_last=Tru
 pads it with zero samples (index -1, nothing is read) and trims them off before yielding, so
 its last batch is short, like the native loader's.
 
-Epochs: the worker processes cannot see ``set_epoch``, so the callback derives the epoch as
-``epoch_offset + SampleInfo.epoch_idx`` (DALI counts pipeline resets). A pipeline is built with
-``epoch_offset`` = the epoch asked for, and rebuilt (new workers) only when the epochs asked for
-stop being consecutive. An epoch that was not iterated to the end is finished by running its
-few remaining batches when at most ``DRAIN_LIMIT`` are left (e.g. with gradient accumulation),
-else the pipeline is rebuilt: DALI cannot reset a pipeline mid-epoch.
+Epochs: the worker processes cannot see ``set_epoch``, and DALI starts a new epoch only after a
+``reset``, which empties its prefetch queues. So a pipeline runs one DALI epoch without end: the
+callback maps its running sample position to an epoch and a position in it (counted from the epoch
+asked for when it was built), and the workers read the next epoch's first batches while this
+epoch's last ones are used. A pipeline is reused while the epochs asked for follow each other; one whose
+epoch was not iterated to the end runs on to the batch asked for when at most ``DRAIN_LIMIT`` batches
+lie before it (e.g. under gradient accumulation; those batches are dropped), else it is rebuilt (new
+workers). Without shuffling every epoch has the same order, so validation passes run on as well.
 
 Starting mid-epoch (``set_epoch(epoch, start_batch)``, exact resume): a pipeline is built whose
-first DALI epoch skips ``start_batch`` batches without reading them (the callback maps position
-``p`` of that epoch to ``start_batch * batch_size + p``, so it ends ``start_batch`` batches early);
-its later DALI epochs are whole. A pipeline already built is replaced, as it cannot jump ahead.
+running position starts ``start_batch`` batches into ``epoch`` (the skipped samples are never read).
+A pipeline already built is reused only if that batch is at most ``DRAIN_LIMIT`` batches ahead of it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from utils.core.errors import UserError
 from utils.data.dataset import ERA5Dataset, check_start_batch
 from utils.data.stats import Stats
 
-# finish an abandoned epoch by running at most this many batches; rebuild the pipeline otherwise
+# run on past at most this many unused batches to reach the one asked for; rebuild the pipeline otherwise
 DRAIN_LIMIT = 4
 PREFETCH_DEPTH = 2  # batches prepared ahead, by the workers and by the pipeline
 NO_ERROR = np.zeros(0, np.uint8)  # the error output of a sample that was read
@@ -79,21 +80,21 @@ class SampleSource:
     ``sampler.dataset`` (an ERA5Dataset with ``k = target_steps``; cropped, not normalized),
     ``index`` a 0-d int64 array, ``error`` uint8 ``(n,)``: empty, or
     the UTF-8 message of the UserError that reading the sample raised (``inp``/``tar`` are then
-    zeros). The order of an epoch is the sampler's for that epoch; positions
-    ``[len(sampler), n_batches * batch_size)`` are padding: zeros with index -1. The pipeline's
-    first DALI epoch starts at batch ``start_batch`` of its epoch (position ``p`` is sample
-    ``start_batch * batch_size + p``), later ones at 0. Raises StopIteration at the end of an epoch.
+    zeros). The pipeline's DALI epoch never ends: its sample position ``p`` is position
+    ``s = start_batch * batch_size + p`` from the start of ``epoch``, that is position ``s % L`` of
+    epoch ``epoch + s // L`` (``L = n_batches * batch_size``), in the sampler's order of that epoch;
+    positions ``[len(sampler), L)`` of an epoch are padding: zeros with index -1.
 
     Picklable for ``py_start_method="spawn"``: HDF5 handles are opened lazily in each worker
     and dropped when pickling.
     """
 
-    def __init__(self, sampler: DistributedSampler, *, batch_size: int, n_batches: int, epoch_offset: int,
+    def __init__(self, sampler: DistributedSampler, *, batch_size: int, n_batches: int, epoch: int,
                  start_batch: int):
         self.sampler = sampler
         self.epoch_len = n_batches * batch_size
-        self.epoch_offset = epoch_offset
-        self.skip = start_batch * batch_size  # samples skipped in the first DALI epoch
+        self.epoch = epoch
+        self.skip = start_batch * batch_size  # samples of ``epoch`` before the first one
         self._order: list[int] = []
         self._order_epoch: int | None = None
 
@@ -109,10 +110,8 @@ class SampleSource:
         return self._order
 
     def __call__(self, info):
-        pos = info.idx_in_epoch + (self.skip if info.epoch_idx == 0 else 0)
-        if pos >= self.epoch_len:
-            raise StopIteration
-        order = self.order(self.epoch_offset + info.epoch_idx)
+        epoch, pos = divmod(self.skip + info.idx_in_epoch, self.epoch_len)
+        order = self.order(self.epoch + epoch)
         if pos >= len(order):  # padding of the last validation batch
             return self._blank(-1, b"")
         ds = self.sampler.dataset
@@ -187,8 +186,8 @@ class DaliBatches:
         device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if cuda else None
         c, (h, w), k = self.dataset.n_channels, self.dataset.img_size, self.dataset.target_steps
-        source = SampleSource(self.sampler, batch_size=self.batch_size, n_batches=self.n_batches,
-                              epoch_offset=epoch, start_batch=start_batch)
+        source = SampleSource(self.sampler, batch_size=self.batch_size, n_batches=self.n_batches, epoch=epoch,
+                              start_batch=start_batch)
         pipe = Pipeline(batch_size=self.batch_size, num_threads=max(1, min(4, os.cpu_count() or 1)),
                         device_id=device_id, prefetch_queue_depth=PREFETCH_DEPTH, exec_dynamic=True,
                         py_num_workers=self.num_workers, py_start_method="spawn")
@@ -209,6 +208,9 @@ class DaliBatches:
     def close(self) -> None:
         """Shut the pipeline down and end its worker processes (a later iteration builds a new one)."""
         self._token += 1  # iterators made before cannot go on
+        self._release()
+
+    def _release(self) -> None:
         if self._pipe is not None:
             self._pipe = None
             # DALI ends the workers when the Pipeline object is collected; it may sit in a cycle
@@ -218,75 +220,63 @@ class DaliBatches:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         return self._pipe.run(stream)  # CUDA outputs are ordered on the consumer's stream
 
-    def _finish_epoch(self) -> None:
-        """Run the current DALI epoch to its StopIteration and reset the pipeline for the next one."""
-        extra = 0
-        while True:
-            try:
-                self._run()
-            except StopIteration:
-                break
-            extra += 1
-            if self._pos + extra > self.n_batches:
-                raise RuntimeError(f"DALI pipeline gave more than the {self.n_batches} batches of an epoch")
-        self._pipe.reset()
-        self._pipe_epoch += 1
-        self._pos = 0
+    def _advance(self) -> None:
+        self._pos += 1
+        if self._pos == self.n_batches:
+            self._pipe_epoch, self._pos = self._pipe_epoch + 1, 0
 
     def _prepare(self, epoch: int, start_batch: int) -> None:
-        """Leave a pipeline whose next batch is batch ``start_batch`` of ``epoch``."""
-        if self._pipe is not None and self._pos > 0:
-            if self.n_batches - self._pos <= DRAIN_LIMIT:
-                self._finish_epoch()
-            else:
-                self.close()
-        # without shuffling the order does not depend on the epoch; only a new pipeline starts mid-epoch
-        if self._pipe is not None and ((self.sampler.shuffle and self._pipe_epoch != epoch) or start_batch):
-            self.close()
-        if self._pipe is None:
-            self._build(epoch, start_batch)
+        """Leave a pipeline whose next batch is batch ``start_batch`` of ``epoch``: the running one, after
+        dropping at most ``DRAIN_LIMIT`` batches before it, or a new one."""
+        if self._pipe is not None:
+            if not self.sampler.shuffle:  # every epoch has the same order: the next one serves too
+                epoch = self._pipe_epoch + (start_batch < self._pos)
+            skip = (epoch - self._pipe_epoch) * self.n_batches + start_batch - self._pos
+            if 0 <= skip <= DRAIN_LIMIT:
+                for _ in range(skip):
+                    self._run()  # a batch nobody uses: its read error, if any, does not matter
+                    self._advance()
+                return
+            self._release()
+        self._build(epoch, start_batch)
 
     # ------------------------------------------------------------------ iteration
-    def _to_torch(self, outputs):
-        """``(inp, tar, index)`` pipeline outputs as torch tensors, the padding trimmed off."""
+    def _to_torch(self, outputs, n: int):
+        """``(inp, tar, index)`` pipeline outputs as torch tensors, trimmed to ``n`` samples (the padding of the
+        last validation batch off)."""
         inp, tar, idx = (torch.from_dlpack(out.as_tensor()) for out in outputs)
-        n = min(self.batch_size, self.n_real - (self._pos - 1) * self.batch_size)
-        if n < self.batch_size:  # trim the padding of the last validation batch
+        if n < self.batch_size:
             inp, tar, idx = inp[:n], tar[:n], idx[:n]
         return inp, tar, idx
 
-    def _batches(self, token: int) -> Iterator:
-        while True:
+    def _batches(self, token: int, epoch: int, start: int) -> Iterator:
+        for batch_no in range(start, self.n_batches):
             if token != self._token:
                 raise RuntimeError("this DALI batch iterator was superseded: the loader was iterated again "
                                    "or closed since")
-            if self._pos == self.n_batches:
-                break
+            if batch_no == start:
+                self._prepare(epoch, start)
             try:
                 outputs = self._run()
             except StopIteration:
                 self.close()
-                raise RuntimeError(f"DALI pipeline ended after {self._pos} of {self.n_batches} batches") from None
+                raise RuntimeError(f"DALI pipeline ended at batch {self._pos} of {self.n_batches}") from None
             except BaseException:
                 self.close()  # e.g. a bug in the callback: the pipeline's state is unknown
                 raise
-            self._pos += 1
+            n = min(self.batch_size, self.n_real - self._pos * self.batch_size)
+            self._advance()
             *batch, errors = outputs
             error = read_error(errors)
             if error is not None:
-                self.close()  # the epoch cannot be completed
+                self.close()  # the pipeline's workers are past this batch: the epoch cannot be completed
                 raise UserError(error)
-            yield self._to_torch(batch)
-        self._finish_epoch()
+            yield self._to_torch(batch, n)
 
     def __iter__(self) -> Iterator:
         self._token += 1
         start, self.start = self.start, 0
-        # nothing to yield (also an empty shard, which build_data refuses but direct use may not): no pipeline
-        if start == self.n_batches:
-            return iter(())
-        self._prepare(self.epoch, start)
-        return self._batches(self._token)
+        return self._batches(self._token, self.epoch, start)
 
 
 def read_error(errors) -> str | None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from utils.data import layout
+from utils.data.climatology import ClimatologyAccumulator, climatology_fits
 from utils.data.writer import FieldFileWriter, StatsAccumulator, format_stats
 
 # the 20 channels of the NERSC ViT/ERA5 tutorial, in its order
@@ -116,6 +117,15 @@ def _background(var: str, p: float, phi: np.ndarray) -> np.ndarray:
     if var == "tcwv":
         return 5.0 + 40.0 * c2 ** 2
     return np.zeros_like(phi)  # v and unknown variables
+
+
+UNITS = {"t": "K", "z": "m**2 s**-2", "u": "m s**-1", "v": "m s**-1", "sp": "Pa", "msl": "Pa", "r": "%",
+         "tcwv": "kg m**-2"}
+
+
+def channel_units(name: str) -> str:
+    """The physical unit of channel ``name`` (``t850`` -> ``K``), as ERA5 writes it; ``""`` when unknown."""
+    return UNITS.get(_pressure(name)[0], "")
 
 
 def channel_climate(name: str, rng: np.random.Generator) -> ChannelClimate:
@@ -211,8 +221,10 @@ def _hours_since_start(year: int) -> float:
     return float(delta.astype(np.int64))
 
 
-def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed) -> None:
+def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed, workers=1) -> None:
     h, w = img_size
+    if workers < 1:
+        raise layout.LayoutError(f"--workers must be >= 1, got {workers}")
     if h < 2 or w < 2:
         raise layout.LayoutError(f"--img_size must be at least 2 2, got {h} {w}")
     if train_years < 1 or valid_years < 1:
@@ -242,24 +254,34 @@ class _FileJob:
     seed: int
     verbose: bool
 
+    climatology: bool
+
     def __call__(self, item: tuple[str, int]):
+        """Returns ``(stats, climatology)`` accumulators of a training file, ``(None, None)`` for validation."""
+        import cftime
         split, year = item
         synth = SyntheticFile(self.climates, self.stationary, self.lat, self.lon,
                               np.random.default_rng([self.seed, 1, year]), _hours_since_start(year), self.dt_hours)
-        stats = StatsAccumulator(self.names, self.img_size) if split == layout.TRAIN else None
+        train = split == layout.TRAIN
+        stats = StatsAccumulator(self.names, self.img_size) if train else None
+        clim = ClimatologyAccumulator("standard") if train and self.climatology else None
         path = self.out / split / f"{year}{layout.SUFFIX}"
         block = max(1, min(self.steps, BLOCK_BYTES // (len(self.names) * self.img_size[0] * self.img_size[1] * 4)))
-        t_start = time.perf_counter()
-        with FieldFileWriter(path, self.names, self.lat, self.lon, self.steps, self.dt_hours,
-                                    start_time=f"{year}-01-01T00:00:00") as writer:
+        t_start, start_time = time.perf_counter(), f"{year}-01-01T00:00:00"
+        with FieldFileWriter(path, self.names, self.lat, self.lon, self.steps, self.dt_hours, start_time=start_time,
+                             channel_units=[channel_units(n) for n in self.names]) as writer:
             for start in range(0, self.steps, block):
-                data = synth.block(start, min(start + block, self.steps))
+                stop = min(start + block, self.steps)
+                data = synth.block(start, stop)
                 writer.write(start, data)
                 if stats is not None:
                     stats.update(data)
+                if clim is not None:
+                    hours = self.dt_hours * np.arange(start, stop)
+                    clim.update(data, cftime.num2date(hours, f"hours since {start_time}", calendar="standard"))
         if self.verbose:
             print(f"  {split}/{path.name}: {self.steps} steps ({time.perf_counter() - t_start:.1f} s)", flush=True)
-        return stats
+        return stats, clim
 
 
 def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tuple[int, int] = (32, 64),
@@ -270,7 +292,8 @@ def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tup
 
     Files ``train/2000.h5 ..`` then ``valid/..`` (years continue after the training years), each
     with ``fields`` float32 (steps_per_year, channels, H, W) starting on Jan 1 00 UTC of its year;
-    ``stats/`` computed over the training files only. Output is fully determined by the
+    ``stats/`` computed over the training files only (with the climatology by day of year and hour of day,
+    ``stats/climatology.h5``, when it fits in memory). Output is fully determined by the
     arguments (same seed -> identical files). Memory use is bounded by ~256 MiB blocks.
 
     Args:
@@ -290,27 +313,35 @@ def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tup
             or ``out_dir`` cannot be written.
     """
     img_size = (int(img_size[0]), int(img_size[1]))
-    _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed)
+    _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed, workers)
     out = layout.prepare_output_dir(out_dir, overwrite)
     names = channel_names(channels)
     lat, lon = grid(img_size)
     rng = np.random.default_rng([seed, 0])
     climates = [channel_climate(n, rng) for n in names]
     stationary = _stationary(climates, lat, lon, rng)
-    job = _FileJob(out, names, climates, stationary, lat, lon, img_size, steps_per_year, dt_hours, seed, verbose)
+    with_clim = climatology_fits(train_years * steps_per_year, (channels, *img_size))
+    job = _FileJob(out, names, climates, stationary, lat, lon, img_size, steps_per_year, dt_hours, seed, verbose,
+                   with_clim)
     plan = _plan(train_years, valid_years)
     if workers > 1:
         with ProcessPoolExecutor(min(workers, len(plan))) as pool:
             partial = list(pool.map(job, plan))
     else:
         partial = [job(item) for item in plan]
-    stats = StatsAccumulator(names, img_size)
-    for part in partial:
+    stats, clim = StatsAccumulator(names, img_size), ClimatologyAccumulator("standard")
+    for part, part_clim in partial:
         if part is not None:
             stats.merge(part)
+        if part_clim is not None:
+            clim.merge(part_clim)
     result = stats.save(out)
+    if with_clim:
+        clim.save(out / layout.STATS / layout.CLIMATOLOGY, names)
     if verbose:
         print(f"wrote {train_years} train + {valid_years} valid files of shape "
               f"({steps_per_year}, {channels}, {img_size[0]}, {img_size[1]}), dt {dt_hours} h, to {out}")
         print("training statistics:\n" + format_stats(result, names))
+        print(f"climatology: {layout.STATS}/{layout.CLIMATOLOGY}" if with_clim else
+              f"climatology: skipped (too large to accumulate in memory); run python -m tools.make_climatology {out}")
     return out

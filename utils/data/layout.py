@@ -6,15 +6,25 @@ Layout (written by ``utils/data/writer.py`` for the data tools, read by the load
     <data_path>/stats/global_means.npy   (1, C, 1, 1) float32, per-channel mean, training split only
     <data_path>/stats/global_stds.npy    (1, C, 1, 1) float32, per-channel std (ddof=0), training only
     <data_path>/stats/time_means.npy     (1, C, H, W) float32, mean over training time steps
+    <data_path>/stats/climatology.h5     optional: mean by day of year and hour of day over the training
+                                         years, smoothed over day of year (``utils/data/climatology.py``)
 
 Each ``.h5`` file holds ``fields`` (T, C, H, W) float32 chunked one time step per chunk with
-attributes ``channel_names`` and ``dt_hours``, ``latitude`` (H,) float64 descending and
-``longitude`` (W,) float64 ascending. Optional attributes of ``fields``: ``start_time``, the
-ISO 8601-like time of step 0 (``2001-02-30T06:00:00`` is valid in a 360-day calendar), and
-``calendar``, the CF calendar that ``start_time`` and ``dt_hours`` are counted in (``standard``,
-``proleptic_gregorian``, ``noleap``, ``360_day``, ...; as cftime names it, so ``365_day`` is stored
-as ``noleap`` and ``gregorian`` as ``standard``). The converter always writes both; a file without
-``calendar`` (e.g. synthetic data) is in the standard calendar.
+attribute ``channel_names``, ``latitude`` (H,) float64 descending and ``longitude`` (W,) float64
+ascending. The time step is stored in its own unit as ``time_step`` (a number) and ``time_step_unit``
+(``hours``, ``days``, ``months`` or ``years``: calendar months and years, whose length varies), and, for
+hours and days, also as ``dt_hours`` (files without ``time_step_unit`` are in ``dt_hours``; without either,
+6-hourly). Optional attributes of ``fields``: ``start_time``, the ISO 8601-like time of step 0
+(``2001-02-30T06:00:00`` is valid in a 360-day calendar), ``calendar``, the CF calendar that
+``start_time`` and the step are counted in (``standard``, ``proleptic_gregorian``, ``noleap``,
+``360_day``, ...; as cftime names it, so ``365_day`` is stored as ``noleap`` and ``gregorian`` as
+``standard``), and ``channel_units`` (C strings, e.g. ``K``; empty where unknown). The converter always
+writes them; a file without ``calendar`` is in the standard calendar.
+
+Files of one split named ``<year><suffix>.h5`` with the same ``<suffix>`` (``""``, or ``_m03`` for
+ensemble member 3) form one series: where a file starts one time step after the previous one of its
+series ends, samples run on across the file boundary (``utils/data/dataset.py``), so monthly and annual
+data, one or twelve steps per file, train like hourly data.
 """
 
 from __future__ import annotations
@@ -46,6 +56,15 @@ ATTR_START_TIME = "start_time"  # optional, ISO 8601 time of fields[0]
 ATTR_CALENDAR = "calendar"  # optional, CF calendar of start_time; absent means standard
 
 
+ATTR_TIME_STEP = "time_step"  # the step in its own unit (a number), with ATTR_TIME_UNIT
+
+
+ATTR_TIME_UNIT = "time_step_unit"  # hours, days, months or years (utils/data/timestep.py)
+
+
+ATTR_CHANNEL_UNITS = "channel_units"  # optional, C unit strings
+
+
 # folder and file names of the layout
 TRAIN = "train"
 
@@ -71,6 +90,9 @@ TIME_MEANS = "time_means.npy"
 STATS_FILES = (GLOBAL_MEANS, GLOBAL_STDS, TIME_MEANS)
 
 
+CLIMATOLOGY = "climatology.h5"  # optional: by day of year and hour of day (utils/data/climatology.py)
+
+
 SUFFIX = ".h5"
 
 
@@ -85,12 +107,32 @@ class InputNotFoundError(UserError, FileNotFoundError):
     """An input file or folder the data tools need does not exist."""
 
 
+REPO = Path(__file__).resolve().parents[2]  # train.py runs here: relative data paths of configs start here
+
+
+def resolve_data_path(data_path: str | Path) -> Path:
+    """A config's ``data_path``: as it is when absolute or found from the current directory, else relative to the
+    repository root (where ``train.py`` runs, so a relative path in a run's config names a folder there);
+    unchanged when neither exists (the loader then says it is missing)."""
+    path = Path(data_path)
+    if path.is_absolute() or path.exists():
+        return path
+    beside_repo = REPO / path
+    return beside_repo if beside_repo.exists() else path
+
+
 def split_files(data_path: str | Path, split: str) -> list[Path]:
     """Sorted ``.h5`` files of one split (``"train"`` or ``"valid"``) of a layout folder.
 
     Returns an empty list when the split folder does not exist.
     """
     return sorted((Path(data_path) / split).glob("*" + SUFFIX))
+
+
+def series_key(path: str | Path) -> str:
+    """The series a file of a split belongs to: its name after the leading year (``2001_m03.h5`` -> ``_m03``,
+    ``2001.h5`` -> ``""``). Files of one series may continue each other in time."""
+    return Path(path).stem.lstrip("0123456789")
 
 
 def prepare_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
@@ -108,7 +150,7 @@ def prepare_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise LayoutError(f"output path {out} exists and is not a folder; pass another --out")
     old = [p for s in SPLITS for p in (out / s).glob("*.h5*")]
-    old += [out / STATS / n for n in STATS_FILES if (out / STATS / n).exists()]
+    old += [out / STATS / n for n in (*STATS_FILES, CLIMATOLOGY) if (out / STATS / n).exists()]
     if old and not overwrite:
         raise LayoutError(f"{out} already holds a dataset ({len(old)} files, e.g. {old[0]}); "
                           "pass --overwrite (overwrite=True) to replace it or choose another --out")

@@ -1,4 +1,4 @@
-"""Reading a file's metadata: channel names, latitudes, longitudes, time step, start time and calendar."""
+"""Reading a file's metadata: channel names and units, latitudes, longitudes, time step, start time and calendar."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import h5py
 import numpy as np
 
 from utils.core.errors import UserError, one_line
-from utils.data.layout import (ATTR_CALENDAR, ATTR_CHANNEL_NAMES, ATTR_DT_HOURS, ATTR_START_TIME, DEFAULT_STEP_HOURS,
-                               FIELDS, LATITUDE, LONGITUDE, InputNotFoundError, LayoutError)
+from utils.data.layout import (ATTR_CALENDAR, ATTR_CHANNEL_NAMES, ATTR_CHANNEL_UNITS, ATTR_DT_HOURS, ATTR_START_TIME,
+                               ATTR_TIME_STEP, ATTR_TIME_UNIT, DEFAULT_STEP_HOURS, FIELDS, LATITUDE, LONGITUDE,
+                               InputNotFoundError, LayoutError)
+from utils.data.timestep import UNITS, TimeStep
 
 
 def _decode(name) -> str:
@@ -46,48 +48,102 @@ def equiangular_latitudes(h: int) -> np.ndarray:
 
 @dataclass
 class TimeAxis:
-    """A file's time coordinate: ``start`` (ISO 8601 time of step 0, or None when the file has none),
-    its ``calendar`` (CF name) and ``step_hours``; ``longitude`` ``(W,)`` degrees east (equiangular from 0
-    when the file has none)."""
+    """A file's time coordinate: ``start`` (ISO 8601 time of step 0, or None when the file has none), its
+    ``calendar`` (CF name) and ``step`` (:class:`~utils.data.timestep.TimeStep`, in its own unit);
+    ``longitude`` ``(W,)`` degrees east (equiangular from 0 when the file has none)."""
 
     start: str | None
     calendar: str
-    step_hours: float
+    step: TimeStep
     longitude: np.ndarray
+
+    @property
+    def step_hours(self) -> float:
+        """Hours per step: exact for hourly and daily data, the calendar's mean month or year for monthly and
+        annual data (see :meth:`TimeStep.hours`)."""
+        return self.step.hours(self.calendar)
 
     def time(self, t: int):
         """Time of step ``t``: a cftime datetime in the file's calendar, or hours since step 0 without a start."""
         if self.start is None:
             return t * self.step_hours
         import cftime
-        return cftime.num2date(t * self.step_hours, f"hours since {self.start}", calendar=self.calendar)
+        return self.step.add(cftime.num2date(0, f"hours since {self.start}", calendar=self.calendar), t)
 
 
-def read_time_axis(path: Path, w: int) -> TimeAxis:
-    """The :class:`TimeAxis` of one file of the layout (``w``: longitudes wanted). Files without
-    ``dt_hours`` (older ones, the tutorial's 6-hourly ERA5) get :data:`DEFAULT_STEP_HOURS`.
-
-    Raises:
-        UserError: the file cannot be read, or its ``dt_hours`` is not a positive number.
-    """
-    try:
-        with h5py.File(path, "r") as f:
-            attrs = f[FIELDS].attrs
-            step, start, calendar = (attrs.get(ATTR_DT_HOURS, DEFAULT_STEP_HOURS), attrs.get(ATTR_START_TIME),
-                                     attrs.get(ATTR_CALENDAR, "standard"))
-            lon = f[LONGITUDE][:w].astype(np.float64) if LONGITUDE in f else np.linspace(0, 360, w, endpoint=False)
-    except OSError as exc:
-        raise UserError(f"cannot read the metadata of {path} ({one_line(exc)}); the file is damaged: "
-                        "re-create it with the data tools") from None
+def _step(attrs, path: Path) -> TimeStep:
+    """The file's time step from ``time_step``/``time_step_unit``, else ``dt_hours``, else 6 hours."""
+    fix = "re-create the file with the data tools"
+    if ATTR_TIME_UNIT in attrs:
+        value, unit = attrs.get(ATTR_TIME_STEP), _text(attrs[ATTR_TIME_UNIT])
+        try:
+            return TimeStep(float(value), unit)
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: attributes {ATTR_TIME_STEP}={value!r} {ATTR_TIME_UNIT}={unit!r} are not a "
+                            f"positive time step in one of {', '.join(UNITS)}; {fix}") from None
+    step = attrs.get(ATTR_DT_HOURS, DEFAULT_STEP_HOURS)
     try:
         hours = float(step)
     except (TypeError, ValueError):
         hours = math.nan
     if not hours > 0 or math.isinf(hours):
-        raise UserError(f"{path}: attribute {ATTR_DT_HOURS}={step!r} is not a positive number of hours; re-create "
-                        "the file with the data tools")
-    text = lambda v: v.decode() if isinstance(v, bytes) else None if v is None else str(v)  # noqa: E731
-    return TimeAxis(text(start), text(calendar), hours, lon)
+        raise UserError(f"{path}: attribute {ATTR_DT_HOURS}={step!r} is not a positive number of hours; {fix}")
+    return TimeStep.from_hours(hours)
+
+
+def _text(value) -> str | None:
+    return value.decode() if isinstance(value, bytes) else None if value is None else str(value)
+
+
+def read_time_axis(path: Path, w: int) -> TimeAxis:
+    """The :class:`TimeAxis` of one file of the layout (``w``: longitudes wanted). Files without a time step
+    attribute (older ones, the tutorial's 6-hourly ERA5) get :data:`DEFAULT_STEP_HOURS`.
+
+    Raises:
+        UserError: the file cannot be read, or its time step is not a positive number of a known unit.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = dict(f[FIELDS].attrs)
+            lon = f[LONGITUDE][:w].astype(np.float64) if LONGITUDE in f else np.linspace(0, 360, w, endpoint=False)
+    except (OSError, KeyError) as exc:
+        raise UserError(f"cannot read the metadata of {path} ({one_line(exc)}); the file is damaged: "
+                        "re-create it with the data tools") from None
+    axis = TimeAxis(_text(attrs.get(ATTR_START_TIME)), _text(attrs.get(ATTR_CALENDAR, "standard")),
+                    _step(attrs, path), lon)
+    _check_time(axis, path)
+    return axis
+
+
+def _check_time(axis: TimeAxis, path: Path) -> None:
+    """Decode the file's calendar and start time now, when the data are opened (training too), rather than when
+    a forecast is first dated. Raises UserError naming the attribute."""
+    import cftime
+    try:
+        cftime.num2date(0, "hours since 2000-01-01", calendar=axis.calendar)
+    except ValueError:
+        raise UserError(f"{path}: attribute {ATTR_CALENDAR}={axis.calendar!r} is not a CF calendar (standard, "
+                        "proleptic_gregorian, noleap, 360_day, ...); re-create the file with the data tools") from None
+    if axis.start is not None:
+        try:
+            axis.time(0)
+        except (ValueError, TypeError):
+            raise UserError(f"{path}: attribute {ATTR_START_TIME}={axis.start!r} is not an ISO 8601 time in the "
+                            f"{axis.calendar} calendar; re-create the file with the data tools") from None
+
+
+def read_channel_units(path: Path, n_channels: int) -> list[str]:
+    """The ``channel_units`` attribute of a file's ``fields`` (``n_channels`` strings), ``""`` for each channel
+    when it is missing, unreadable or of another length (units only label figures)."""
+    try:
+        with h5py.File(path, "r") as f:
+            units = f[FIELDS].attrs.get(ATTR_CHANNEL_UNITS)
+    except (OSError, KeyError, TypeError, ValueError):
+        units = None
+    if (not isinstance(units, np.ndarray) or units.ndim != 1 or len(units) != n_channels
+            or units.dtype.kind not in "OSU"):
+        return [""] * n_channels
+    return [_text(u) for u in units]
 
 
 def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.ndarray]:

@@ -2,8 +2,9 @@
 input's metadata before anything is written (``utils/data/convert.py`` carries it out).
 
 Times are decoded with cftime in the input's CF calendar (``standard``, ``proleptic_gregorian``,
-``noleap``/``365_day``, ``all_leap``/``366_day``, ``360_day``, ``julian``), so the step ``dt_hours``
-and the ``--valid_start`` split are computed in that calendar (``2001-02-30`` exists in ``360_day``).
+``noleap``/``365_day``, ``all_leap``/``366_day``, ``360_day``, ``julian``), so the time step and the
+``--valid_start`` split are computed in that calendar (``2001-02-30`` exists in ``360_day``). The step keeps
+its own unit (``utils/data/timestep.py``): hours, days, calendar months (monthly means) or years (annual means).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from utils.data import layout
 from utils.data.layout import LayoutError
+from utils.data.timestep import TimeStep, infer_time_step
 
 
 LEVEL_DIMS = ("isobaricInhPa", "level", "pressure_level")
@@ -66,12 +68,17 @@ class Plan:
     lon_index: np.ndarray  # input longitude columns to keep, ascending
     latitude: np.ndarray
     longitude: np.ndarray
-    dt_hours: float
+    step: TimeStep  # in its own unit: hours, days, calendar months or years
     files: list[OutputFile]
     member_values: list[int] | None
     times: np.ndarray  # (T,) cftime datetimes of the whole input time axis
     calendar: str  # their CF calendar, as cftime names it
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def dt_hours(self) -> float | None:
+        """Hours per step for hourly and daily data; None for calendar months and years."""
+        return None if self.step.calendar_based else self.step.hours()
 
 
 def _find_dim(dims: Sequence[str], names: Sequence[str], what: str, variable: str) -> str:
@@ -293,19 +300,47 @@ def _plan_files(times: np.ndarray, n_train: int, member_index, member_values) ->
     return files
 
 
-def _dt_hours(times: np.ndarray, files: list[OutputFile]) -> float:
-    """The common spacing of the steps inside every output file (gaps between files are allowed)."""
-    seconds = (np.diff(times) / timedelta(seconds=1)).astype(np.float64)  # cftime: in the input's calendar
-    dt = seconds.min()
+def _time_step(times: np.ndarray, files: list[OutputFile]) -> TimeStep:
+    """The time step in its own unit (:func:`infer_time_step`), checked to be the spacing of the steps inside
+    every output file (gaps between files are allowed)."""
+    step = infer_time_step(times)
     for f in files:
-        inner = seconds[f.times[:-1]]  # f.times is contiguous: the steps from each of its times to the next
-        bad = np.flatnonzero(inner != dt)
-        if bad.size:
-            a, b = times[f.times[bad[0]]].isoformat(), times[f.times[bad[0] + 1]].isoformat()
-            raise LayoutError(f"time steps are not equally spaced in {f.split}/{f.name}: {a} -> {b} is "
-                              f"{inner[bad[0]] / 3600:g} h, expected {dt / 3600:g} h; each output file needs "
-                              "consecutive equally spaced steps, so select a regular time range")
-    return float(dt) / 3600.0
+        for i in f.times[:-1]:  # f.times is contiguous: each of its times to the next
+            if step.steps_between(times[i], times[i + 1]) != 1:
+                a, b = times[i].isoformat(), times[i + 1].isoformat()
+                raise LayoutError(f"time steps are not equally spaced in {f.split}/{f.name}: {a} -> {b} is not one "
+                                  f"step of {step}; each output file needs consecutive equally spaced steps, so "
+                                  "select a regular time range")
+    return step
+
+
+def _continuing(times: np.ndarray, files: list[OutputFile], step: TimeStep) -> set[int]:
+    """Indices of the files that continue, or are continued by, the file before or after them in time (same
+    split and member): their samples run across the file boundary."""
+    linked: set[int] = set()
+    for i, f in enumerate(files):
+        for j in range(i + 1, len(files)):
+            g = files[j]
+            if g.split == f.split and g.member == f.member:
+                if step.steps_between(times[f.times[-1]], times[g.times[0]]) == 1:
+                    linked |= {i, j}
+                break
+    return linked
+
+
+def run_lengths(plan: "Plan", split: str) -> list[int]:
+    """Time steps of each run of files of ``split`` that continue each other (samples cross their boundaries)."""
+    lengths: list[int] = []
+    open_runs: dict = {}  # member -> (its newest file, the index of its run in lengths)
+    for f in (f for f in plan.files if f.split == split):
+        prev = open_runs.get(f.member)
+        if prev is not None and plan.step.steps_between(plan.times[prev[0].times[-1]], plan.times[f.times[0]]) == 1:
+            lengths[prev[1]] += f.times.size
+            open_runs[f.member] = (f, prev[1])
+        else:
+            lengths.append(f.times.size)
+            open_runs[f.member] = (f, len(lengths) - 1)
+    return lengths
 
 
 def parse_select(items: Sequence[str] | None) -> dict[str, int]:
@@ -348,15 +383,18 @@ def make_plan(ds, variables: Sequence[str], levels: Sequence[float] | None = Non
     n_train = split_index(times, valid_start, valid_fraction)
     member_index, member_values = _members(ds, channels, members)
     files = _plan_files(times, n_train, member_index, member_values)
-    # a year holding one step gives no (t, t+1) sample and would fail the loader: leave it out
+    step = _time_step(times, files)
+    # a year holding one step that no neighbouring file continues gives no (t, t+1) sample: leave it out (annual
+    # data, one step a year, keep their files: samples run on from one file into the next)
+    linked = _continuing(times, files, step)
     notes += [f"skipped {f.split}/{f.name}: its year has a single time step ({times[f.times[0]].isoformat()}) "
-              "in this split"
-              for f in files if f.times.size < 2]
-    files = [f for f in files if f.times.size >= 2]
-    for split in layout.SPLITS:
-        if not any(f.split == split for f in files):
-            raise LayoutError(f"the {split} split has no year with two or more time steps, so it gives no "
-                              "samples; choose another --valid_start or --valid_fraction")
-    dt = _dt_hours(times, files)
-    return Plan(channels, dims, extra, lat_index, lon_index, lat, lon, dt, files, member_values, times,
+              "in this split and no file continues it"
+              for i, f in enumerate(files) if f.times.size < 2 and i not in linked]
+    files = [f for i, f in enumerate(files) if f.times.size >= 2 or i in linked]
+    plan = Plan(channels, dims, extra, lat_index, lon_index, lat, lon, step, files, member_values, times,
                 times[0].calendar, notes)
+    for split in layout.SPLITS:
+        if max(run_lengths(plan, split), default=0) < 2:
+            raise LayoutError(f"the {split} split has no two consecutive time steps (one {step} step apart), so it "
+                              "gives no samples; choose another --valid_start or --valid_fraction")
+    return plan

@@ -13,8 +13,10 @@ import h5py
 import numpy as np
 
 from utils.core.errors import one_line
-from utils.data.layout import (ATTR_CALENDAR, ATTR_CHANNEL_NAMES, ATTR_DT_HOURS, ATTR_START_TIME, FIELDS, LATITUDE,
-                               LONGITUDE, PARTIAL_SUFFIX, STATS, STATS_FILES, LayoutError)
+from utils.data.layout import (ATTR_CALENDAR, ATTR_CHANNEL_NAMES, ATTR_CHANNEL_UNITS, ATTR_DT_HOURS, ATTR_START_TIME,
+                               ATTR_TIME_STEP, ATTR_TIME_UNIT, FIELDS, LATITUDE, LONGITUDE, PARTIAL_SUFFIX, STATS,
+                               STATS_FILES, LayoutError)
+from utils.data.timestep import TimeStep
 
 
 def _check_grid(latitude: np.ndarray, longitude: np.ndarray) -> None:
@@ -39,26 +41,33 @@ class FieldFileWriter:
         latitude: (H,) degrees north, strictly descending.
         longitude: (W,) degrees east, strictly ascending.
         n_steps: T, number of time steps the file will hold.
-        dt_hours: hours between consecutive time steps (> 0).
+        dt_hours: hours between consecutive time steps (> 0); None with ``step`` in months or years.
         start_time: optional ISO 8601 time of step 0, stored as attribute ``start_time``.
         calendar: optional CF calendar name of ``start_time`` (e.g. ``"360_day"``), stored as
             attribute ``calendar``.
+        step: the time step in its own unit (default: ``dt_hours`` as hours, or days when whole days),
+            stored as ``time_step`` and ``time_step_unit``; ``dt_hours`` is stored for hours and days.
+        channel_units: optional C unit strings (e.g. ``"K"``), stored as ``channel_units``.
 
     Raises:
-        LayoutError: inconsistent shapes, unsorted coordinates, ``n_steps < 1`` or ``dt_hours <= 0``,
+        LayoutError: inconsistent shapes, unsorted coordinates, ``n_steps < 1``, no positive time step,
             or the file cannot be created.
     """
 
     def __init__(self, path: str | Path, channel_names: Sequence[str], latitude: np.ndarray,
-                 longitude: np.ndarray, n_steps: int, dt_hours: float, start_time: str | None = None,
-                 calendar: str | None = None):
+                 longitude: np.ndarray, n_steps: int, dt_hours: float | None, start_time: str | None = None,
+                 calendar: str | None = None, *, step: TimeStep | None = None,
+                 channel_units: Sequence[str] | None = None):
         lat = np.asarray(latitude, dtype=np.float64)
         lon = np.asarray(longitude, dtype=np.float64)
         _check_grid(lat, lon)
         if n_steps < 1:
             raise LayoutError(f"a file needs at least one time step, got n_steps={n_steps}")
-        if not dt_hours > 0:
+        if step is None and not (dt_hours is not None and dt_hours > 0):
             raise LayoutError(f"dt_hours must be > 0, got {dt_hours}")
+        if channel_units is not None and len(channel_units) != len(channel_names):
+            raise LayoutError(f"{len(channel_units)} channel units for {len(channel_names)} channels")
+        step = step or TimeStep.from_hours(float(dt_hours))
         self.path = Path(path)
         self.shape = (int(n_steps), len(channel_names), lat.size, lon.size)
         self._written = np.zeros(n_steps, dtype=bool)
@@ -68,17 +77,22 @@ class FieldFileWriter:
         except OSError as exc:
             raise LayoutError(f"cannot create {self._tmp} ({one_line(exc)}); pass a writable --out") from None
         try:
-            self._fields = self._create(channel_names, lat, lon, dt_hours, start_time, calendar)
+            self._fields = self._create(channel_names, lat, lon, step, start_time, calendar, channel_units)
         except BaseException:
             self.close(ok=False)
             raise
 
-    def _create(self, channel_names, lat, lon, dt_hours, start_time, calendar) -> h5py.Dataset:
+    def _create(self, channel_names, lat, lon, step: TimeStep, start_time, calendar, units) -> h5py.Dataset:
         # one time step per chunk: the loader reads single steps; no compression for speed
         ds = self._file.create_dataset(FIELDS, shape=self.shape, dtype=np.float32,
                                        chunks=(1, *self.shape[1:]))
         ds.attrs[ATTR_CHANNEL_NAMES] = [str(n) for n in channel_names]
-        ds.attrs[ATTR_DT_HOURS] = float(dt_hours)
+        ds.attrs[ATTR_TIME_STEP] = float(step.value)
+        ds.attrs[ATTR_TIME_UNIT] = step.unit
+        if not step.calendar_based:  # readers of hours keep working for hourly and daily data
+            ds.attrs[ATTR_DT_HOURS] = step.hours()
+        if units is not None:
+            ds.attrs[ATTR_CHANNEL_UNITS] = [str(u) for u in units]
         if start_time is not None:
             ds.attrs[ATTR_START_TIME] = str(start_time)
         if calendar is not None:

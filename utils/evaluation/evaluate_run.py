@@ -7,19 +7,24 @@
 Loads the run's ``config.yaml`` and a checkpoint (sharded, or a single ``.pt`` file), rolls the model out
 ``--lead_steps`` times from every ``--init_every``-th initial time of the split (of the run's data, or of
 ``--data_path``, normalized with the run's statistics), and scores each lead
-for the model, persistence and climatology (``utils/evaluation/scoring.py``). Writes to ``--out`` (default
+for the model, persistence and climatology (``utils/evaluation/scoring.py``; the climatology of each valid
+time from ``stats/climatology.h5`` when the data have it, else the time mean). Writes to ``--out`` (default
 ``<run_dir>/evaluation/``):
 
-* ``scorecard.json``: ``{"lead_hours": [...], "channels": [...], "initial_times": N, "checkpoint": ...,
-  "scores": {"model"|"persistence"|"climatology": {"rmse"|"acc": {channel: [one value per lead]}}}}``;
-* ``scorecard.nc``: the same as an xarray DataArray ``skill(metric, forecast, channel, lead_time)``,
-  lead time in hours;
-* ``scorecard.png``: RMSE and ACC against lead time for the key channels;
+* ``scorecard.json``: ``{"lead_time": [...], "lead_time_unit": "hours", "lead_hours": [...], "channels": [...],
+  "initial_times": N, "climatology": "...", "checkpoint_step": ..., "scores": {"model"|"persistence"|"climatology":
+  {"rmse"|"acc"|"bias": {channel: [one value per lead]}}}, "blurring": {channel: [...]}, "spectra": {...}}``;
+* ``scorecard.nc``: the same as an xarray Dataset: ``skill(metric, forecast, channel, lead_time)``,
+  ``spectrum(source, channel, lead_time, wavenumber)``, ``blurring(channel, lead_time)``;
+* ``scorecard.png``: RMSE, ACC and bias against lead time, and ``spectra.png``: zonal power spectra at a few
+  leads against the truth, for the key channels;
 * with ``--save_forecasts``: ``forecasts.nc`` (one file per rank under torchrun: ``forecasts_rank<r>.nc``),
   the forecasts in physical units by initial time, lead time, channel, latitude and longitude.
 
-Ends with a table of model vs persistence vs climatology by lead time. Bad input is one ``error:`` line,
-exit status 2, on every rank.
+Lead times are in the data's own time step (hours, days, months or years). A relative ``data_path`` of the run's
+config is found from the current directory or the repository root, so ``--run_dir`` works from anywhere. Ends
+with a table of model vs persistence vs climatology by lead time and a summary line for every channel. Bad
+input is one ``error:`` line, exit status 2, on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import dataclasses
 from pathlib import Path
 
 from utils.core.errors import ArgumentParser, UserError
+from utils.core.files import output_path_type
+from utils.data.layout import resolve_data_path
 
 PROG = "evaluate.py"
 
@@ -46,7 +53,8 @@ def build_parser() -> ArgumentParser:
                                                            "(default: the latest complete one)")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="a sharded checkpoint folder or a single .pt model file instead of --step")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default <run_dir>/evaluation)")
+    p.add_argument("--out", type=output_path_type("--out"), default=None,
+                   help="output folder (default <run_dir>/evaluation)")
     p.add_argument("--init_every", type=int, default=1, help="roll out from every n-th initial time (default 1)")
     p.add_argument("--batch_size", type=int, default=None, help="initial times per batch and rank "
                                                                  "(default: the run's local batch size)")
@@ -98,13 +106,15 @@ def evaluate(args, cfg, world) -> None:
     from distributed.parallelize import AMP_DTYPES
     from distributed.checkpoint.export import load_checkpoint_model
     from utils.data.loaders import split_batches
-    from utils.data.metadata import read_metadata, read_time_axis
+    from utils.data.metadata import read_channel_units, read_metadata
     from utils.data.stats import Stats
     from utils.evaluation.evaluator import checked_latitude_weights
+    from utils.evaluation.metrics import spectrum_rows
     from utils.evaluation.outputs import ForecastWriter, write_scorecard
-    from utils.evaluation.scoring import format_scorecard, lead_hours, score_rollouts
+    from utils.evaluation.scoring import format_scorecard, lead_times, score_rollouts
 
     device, data = world.device, cfg.data
+    data = dataclasses.replace(data, data_path=str(resolve_data_path(data.data_path)))
     channels = args.channels.split(",") if args.channels else list(cfg.evaluation.key_channels)
     stats = Stats.load(Path(data.data_path) / "stats", data.n_in_channels, data.img_size, device)
     if args.data_path is not None:
@@ -124,23 +134,28 @@ def evaluate(args, cfg, world) -> None:
     # weights, and the plain model loads them)
     dtype = AMP_DTYPES[cfg.precision.amp_mode] if device.type == "cuda" else None
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    leads = lead_hours(data.dt, read_time_axis(dataset.files[0].path, 0).step_hours, args.lead_steps)
-    writer = ForecastWriter(dataset, stats, names, lat, leads) if args.save_forecasts else None
+    unit = dataset.time_step.unit
+    leads = lead_times(data.dt, dataset.time_step, args.lead_steps)
+    writer = ForecastWriter(dataset, stats, names, lat, leads, unit) if args.save_forecasts else None
     try:
         sums, _ = score_rollouts(model, batches, stats, checked_latitude_weights(lat, device), args.lead_steps,
-                                 autocast, writer.add if writer else None)
+                                 autocast, writer.add if writer else None,
+                                 climatology=stats.sample_climatology(dataset),
+                                 rows=torch.as_tensor(spectrum_rows(lat), device=device))
     finally:
         batches.close()
     sums.reduce(world)
-    card = sums.scorecard(stats.std, leads, names)
+    card = sums.scorecard(stats.std, leads, names, unit, stats.climatology_source(dataset))
     out = args.out or args.run_dir / "evaluation"
     if writer is not None:
         writer.write(out / ("forecasts.nc" if world.world_size == 1 else f"forecasts_rank{world.rank}.nc"))
     if world.is_main:
+        units = dict(zip(names, read_channel_units(dataset.files[0].path, len(names))))
+        run = "/".join(args.run_dir.resolve().parts[-3:])
         write_scorecard(card, out, key_channels, {"checkpoint_step": step, "data_path": data.data_path,
-                                                  "split": args.split, "init_every": args.init_every})
+                                                  "split": args.split, "init_every": args.init_every}, units, run, step)
         print(format_scorecard(card, key_channels), flush=True)
-        print(f"wrote {out / 'scorecard.json'}, scorecard.nc and scorecard.png", flush=True)
+        print(f"wrote {out / 'scorecard.json'}, scorecard.nc, scorecard.png and spectra.png", flush=True)
 
 
 def default_batch(optim, dp: int) -> int:

@@ -8,7 +8,12 @@ global weather models", section 4 and appendix) defines the scores compared here
 * RMSE: the weighted MSE of each forecast, averaged over initial times, then the square root
   (:func:`weighted_mse_channels`, summed by the caller before :func:`rmse_from_mse`);
 * ACC: the weighted correlation of forecast and observed anomalies from a climatology, per
-  initial time, then averaged over initial times (:func:`weighted_acc_channels`).
+  initial time, then averaged over initial times (:func:`weighted_acc_channels`);
+* bias: the weighted mean error, averaged over initial times (:func:`weighted_bias_channels`).
+
+Spectra (:func:`zonal_power_spectrum`, :func:`blurring_band`) follow the zonal energy spectra that WeatherBench 2
+(its ``ZonalEnergySpectrum``) and makani/PhysicsNeMo report to show the blurring of deterministic forecasts: the
+power of each zonal wavenumber along latitude circles, averaged over latitude rows.
 """
 
 from __future__ import annotations
@@ -81,3 +86,60 @@ def weighted_acc_channels(pred: torch.Tensor, target: torch.Tensor, clim: torch.
     num = (w * a * b).sum(dim=(-2, -1))
     den = torch.sqrt((w * a * a).sum(dim=(-2, -1)) * (w * b * b).sum(dim=(-2, -1)))
     return num / den.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def weighted_bias_channels(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted mean error per sample and channel: ``mean_{h,w} weights_h (pred - target)``.
+
+    ``pred``, ``target``: ``(B, C, H, W)``; ``weights``: ``(H,)`` from :func:`latitude_weights`. Returns float32
+    ``(B, C)`` in input units (positive: the forecast is too high); averaged over initial times it is the bias
+    of WeatherBench 2's scorecards.
+    """
+    return ((pred.float() - target.float()) * weights.view(1, 1, -1, 1)).mean(dim=(-2, -1))
+
+
+SPECTRUM_MAX_LATITUDE = 60.0  # degrees: spectra average the rows within +-60 degrees
+
+
+def spectrum_rows(lat_deg: np.ndarray, max_latitude: float = SPECTRUM_MAX_LATITUDE) -> np.ndarray:
+    """Indices of the rows whose latitude lies within ``+-max_latitude`` degrees (all rows when none does: a
+    regional grid near a pole), int64 ``(n,)``."""
+    lat = np.asarray(lat_deg, dtype=np.float64)
+    rows = np.flatnonzero(np.abs(lat) <= max_latitude)
+    return rows if rows.size else np.arange(lat.size)
+
+
+def zonal_power_spectrum(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Zonal power spectrum of fields ``x`` ``(..., H, W)``, averaged over the latitude ``rows`` (an index tensor).
+
+    Per row, the discrete Fourier transform along longitude gives ``X_m``; the power of zonal wavenumber
+    ``m = 0 .. W // 2`` is ``|X_m|^2 / W^2``, doubled for ``0 < m < W / 2`` (the negative wavenumbers), so that
+    the powers sum to the row's mean square (Parseval): a wave ``A cos(m lambda)`` has power ``A^2 / 2`` at
+    ``m``. Returns float32 ``(..., W // 2 + 1)`` in squared input units, the plain mean over ``rows``.
+    """
+    w = x.shape[-1]
+    coeffs = torch.fft.rfft(x.float().index_select(-2, rows), dim=-1)
+    power = coeffs.real ** 2 + coeffs.imag ** 2
+    power = power / w ** 2
+    double = torch.full((power.shape[-1],), 2.0, device=x.device)
+    double[0] = 1.0
+    if w % 2 == 0:
+        double[-1] = 1.0  # the Nyquist wavenumber has no negative twin
+    return (power * double).mean(dim=-2)
+
+
+RESOLVED_POWER = 1e-6  # a wavenumber is resolved where the truth holds at least this fraction of its peak power
+
+
+def blurring_band(truth_power: torch.Tensor, resolved: float = RESOLVED_POWER) -> slice:
+    """The smallest resolved third of the zonal wavenumbers of a truth spectrum ``(M + 1,)`` (wavenumbers ``0 .. M``):
+    ``m`` in ``(2 R / 3, R]``, where ``R`` is the largest wavenumber at which the truth holds at least ``resolved``
+    of its peak power over ``m >= 1`` (``R = M`` on real data; on smooth synthetic fields, whose high wavenumbers
+    hold only rounding noise, the wavenumbers they have). The ratio of forecast to truth power there is the
+    blurring figure (1: as sharp as the truth; toward 0: smoothed out)."""
+    power = truth_power[1:]
+    if power.numel() == 0:
+        return slice(0, 1)
+    above = torch.nonzero(power >= resolved * power.max()).flatten()
+    top = int(above.max()) + 1 if above.numel() else power.numel()
+    return slice(2 * top // 3 + 1, top + 1)

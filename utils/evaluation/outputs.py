@@ -1,4 +1,4 @@
-"""The files ``evaluate.py`` writes: the scorecard (JSON, netCDF, PNG) and the forecasts (netCDF)."""
+"""The files ``evaluate.py`` writes: the scorecard (JSON, netCDF, PNG figures) and the forecasts (netCDF)."""
 
 from __future__ import annotations
 
@@ -6,31 +6,52 @@ import json
 from pathlib import Path
 
 from utils.core.errors import UserError
-from utils.data.metadata import read_time_axis
-from utils.evaluation.plots import skill_figure
-from utils.evaluation.scoring import FORECASTS, METRICS
+from utils.evaluation.plots import skill_figure, spectra_figure
+from utils.evaluation.scoring import FORECASTS, METRICS, SPECTRA
 
 
-def write_scorecard(card, out: Path, channels: list[str], extra: dict) -> None:
-    """``scorecard.json``, ``scorecard.nc`` and ``scorecard.png`` in ``out``.
+def scorecard_dataset(card):
+    """The scorecard as an xarray Dataset: ``skill(metric, forecast, channel, lead_time)`` (RMSE and bias in
+    channel units, ACC), ``spectrum(source, channel, lead_time, wavenumber)`` (``source`` model or truth, squared
+    channel units) and ``blurring(channel, lead_time)``; ``lead_time`` in the card's unit (attribute ``units``)."""
+    import xarray as xr  # the data extra: only evaluate.py needs it
+    values = [[[card.scores[f][m][ch] for ch in card.channels] for f in FORECASTS] for m in METRICS]
+    leads = xr.Variable("lead_time", card.leads, {"units": card.lead_unit})
+    skill = xr.DataArray(values, dims=("metric", "forecast", "channel", "lead_time"),
+                         attrs={"description": "RMSE and bias (channel units) and ACC by lead time, WeatherBench 2 "
+                                               "conventions (Rasp et al. 2024)"})
+    spectrum = xr.DataArray([[card.spectra[s][ch] for ch in card.channels] for s in SPECTRA],
+                            dims=("source", "channel", "lead_time", "wavenumber"),
+                            attrs={"description": "zonal power spectrum, mean over the rows within +-60 degrees "
+                                                  "(squared channel units)"})
+    blurring = xr.DataArray([card.blurring[ch] for ch in card.channels], dims=("channel", "lead_time"),
+                            attrs={"description": "forecast over truth power in the smallest resolved third of the "
+                                                  "zonal wavenumbers (1: sharp, toward 0: blurred)"})
+    return xr.Dataset({"skill": skill, "spectrum": spectrum, "blurring": blurring},
+                      coords={"metric": list(METRICS), "forecast": list(FORECASTS), "channel": card.channels,
+                              "lead_time": leads, "source": list(SPECTRA), "wavenumber": card.spectra["wavenumber"]},
+                      attrs={"initial_times": card.initial_times, "climatology": card.climatology})
+
+
+def write_scorecard(card, out: Path, channels: list[str], extra: dict, units: dict[str, str] | None = None,
+                    run: str | None = None, step: int | None = None) -> None:
+    """``scorecard.json``, ``scorecard.nc``, ``scorecard.png`` (RMSE, ACC and bias against lead) and ``spectra.png``
+    (``channels``' spectra at a few leads against the truth) in ``out``; figures titled with ``run`` and ``step``,
+    RMSE and bias labelled in ``units[channel]``.
 
     Raises:
         UserError: ``out`` cannot be created or written.
     """
-    import xarray as xr  # the data extra: only evaluate.py needs it
+    import matplotlib.pyplot as plt
     payload = {**card.to_json(), **extra}
-    values = [[[card.scores[f][m][ch] for ch in card.channels] for f in FORECASTS] for m in METRICS]
-    skill = xr.DataArray(values, name="skill", dims=("metric", "forecast", "channel", "lead_time"),
-                         coords={"metric": list(METRICS), "forecast": list(FORECASTS), "channel": card.channels,
-                                 "lead_time": card.lead_hours},
-                         attrs={"description": "RMSE (channel units) and ACC by lead time, WeatherBench 2 "
-                                               "conventions (Rasp et al. 2024)", "initial_times": card.initial_times})
-    skill.lead_time.attrs["units"] = "hours"
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "scorecard.json").write_text(json.dumps(payload, indent=2) + "\n")
-        skill.to_netcdf(out / "scorecard.nc")
-        skill_figure(payload, channels).savefig(out / "scorecard.png", dpi=100)
+        scorecard_dataset(card).to_netcdf(out / "scorecard.nc")
+        for name, draw in (("scorecard.png", skill_figure), ("spectra.png", spectra_figure)):
+            fig = draw(payload, channels, units, run, step)
+            fig.savefig(out / name, dpi=100)
+            plt.close(fig)
     except OSError as exc:
         raise UserError(f"cannot write the scorecard to {out} ({exc.strerror or exc}); pass a writable --out") from None
 
@@ -39,13 +60,13 @@ class ForecastWriter:
     """Collects forecasts in physical units and writes them as netCDF (``--save_forecasts``).
 
     The file holds ``forecast(init_time, lead_time, channel, latitude, longitude)`` float32, with
-    ``init_time`` the initial time (from the files' ``start_time`` and ``dt_hours``, in their calendar;
-    hours since the file's first step when it has no ``start_time``) and ``lead_time`` in hours.
+    ``init_time`` the initial time (from the files' ``start_time`` and time step, in their calendar;
+    hours since the file's first step when it has no ``start_time``) and ``lead_time`` in ``lead_unit``.
     """
 
-    def __init__(self, dataset, stats, names: list[str], latitude, leads: list[float]):
-        self.dataset, self.stats, self.names, self.latitude, self.leads = dataset, stats, names, latitude, leads
-        self.axes = [read_time_axis(f.path, dataset.img_size[1]) for f in dataset.files]
+    def __init__(self, dataset, stats, names: list[str], latitude, leads: list[float], lead_unit: str = "hours"):
+        self.dataset, self.stats, self.names, self.latitude = dataset, stats, names, latitude
+        self.leads, self.lead_unit = leads, lead_unit
         self.blocks, self.times = [], []
 
     def add(self, inp, forecasts, tar, idx) -> None:
@@ -54,7 +75,7 @@ class ForecastWriter:
         self.blocks.append(physical.cpu().numpy())
         for i in idx.tolist():
             file_no, t = self.dataset.locate(i)
-            self.times.append(self.axes[file_no].time(t))
+            self.times.append(self.dataset.files[file_no].axis.time(t))
 
     def write(self, path: Path) -> None:
         """Write the collected forecasts to ``path`` (raises UserError when that fails)."""
@@ -65,12 +86,12 @@ class ForecastWriter:
         data = np.concatenate(self.blocks) if self.blocks else np.zeros(shape, np.float32)
         da = xr.DataArray(data, name="forecast", dims=("init_time", "lead_time", "channel", "latitude", "longitude"),
                           coords={"init_time": self.times, "lead_time": self.leads, "channel": self.names,
-                                  "latitude": np.asarray(self.latitude)[:h], "longitude": self.axes[0].longitude},
+                                  "latitude": np.asarray(self.latitude)[:h],
+                                  "longitude": self.dataset.files[0].axis.longitude},
                           attrs={"units": "the physical units of each channel (those of the converted input)"})
-        da.lead_time.attrs["units"] = "hours"
+        da.lead_time.attrs["units"] = self.lead_unit
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             da.to_netcdf(path)
         except OSError as exc:
             raise UserError(f"cannot write {path} ({exc.strerror or exc}); pass a writable --out") from None
-

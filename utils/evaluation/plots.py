@@ -1,4 +1,5 @@
-"""Figures for TensorBoard."""
+"""Figures of forecasts and their skill (TensorBoard, ``evaluate.py``): titled with the run and step, axes labelled
+with units, legends."""
 
 from __future__ import annotations
 
@@ -8,43 +9,106 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+LEAD_AXIS = {"hours": "lead time (h)", "days": "lead time (days)", "months": "lead time (months)",
+             "years": "lead time (years)"}
 
-def prediction_figure(pred: np.ndarray, target: np.ndarray, channel: str, units: str = ""):
-    """Side-by-side maps of one channel: prediction, target, and their difference.
 
-    ``pred``, ``target``: ``(H, W)`` arrays in physical units (north at the top).
-    Returns a matplotlib Figure (the caller closes it).
+def title(run: str | None, step: int | None, what: str) -> str:
+    """``"<what>: <run>, step <step>"``, leaving out what is unknown."""
+    where = ", ".join(x for x in (run, None if step is None else f"step {step}") if x)
+    return f"{what}: {where}" if where else what
+
+
+def in_units(quantity: str, unit: str) -> str:
+    """Axis label ``RMSE (K)``; ``RMSE (channel units)`` when the unit is unknown."""
+    return f"{quantity} ({unit or 'channel units'})"
+
+
+def prediction_figure(pred: np.ndarray, target: np.ndarray, channel: str, units: str = "",
+                      latitude: np.ndarray | None = None, longitude: np.ndarray | None = None, run: str | None = None,
+                      step: int | None = None, lead: str = ""):
+    """Side-by-side maps of one channel: prediction, target, and their difference, on latitude/longitude axes.
+
+    ``pred``, ``target``: ``(H, W)`` arrays in physical units (north at the top); ``latitude`` ``(H,)`` and
+    ``longitude`` ``(W,)`` in degrees (default: a global equiangular grid). ``lead`` labels the forecast
+    (e.g. ``006h``). Returns a matplotlib Figure (the caller closes it).
     """
-    fig, axes = plt.subplots(1, 3, figsize=(12, 2.6), constrained_layout=True)
+    h, w = pred.shape
+    lat = np.linspace(90, -90, h) if latitude is None else np.asarray(latitude)
+    lon = np.linspace(0, 360, w, endpoint=False) if longitude is None else np.asarray(longitude)
+    extent = (lon[0], lon[-1], lat[-1], lat[0])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2), constrained_layout=True)
     vmin, vmax = float(np.min(target)), float(np.max(target))
     diff = pred - target
     lim = float(np.abs(diff).max()) or 1.0
-    panels = ((pred, f"prediction {channel}", "viridis", vmin, vmax),
-              (target, f"target {channel}", "viridis", vmin, vmax),
-              (diff, "prediction - target", "RdBu_r", -lim, lim))
-    for ax, (data, title, cmap, lo, hi) in zip(axes, panels):
-        im = ax.imshow(data, cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
-        ax.set_title(title)
-        ax.set_xticks([])
-        ax.set_yticks([])
-        fig.colorbar(im, ax=ax, label=units)
+    forecast = f"prediction {channel}" + (f" at {lead}" if lead else "")
+    panels = ((pred, forecast, "viridis", vmin, vmax, channel),
+              (target, f"target {channel}", "viridis", vmin, vmax, channel),
+              (diff, "prediction - target", "RdBu_r", -lim, lim, "difference"))
+    for ax, (data, name, cmap, lo, hi, quantity) in zip(axes, panels):
+        im = ax.imshow(data, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", extent=extent)
+        ax.set_title(name)
+        ax.set_xlabel("longitude (degrees east)")
+        ax.set_ylabel("latitude (degrees north)")
+        fig.colorbar(im, ax=ax, label=in_units(quantity, units))
+    fig.suptitle(title(run, step, "forecast against the data"))
     return fig
 
 
-def skill_figure(scorecard: dict, channels: list[str]):
-    """RMSE (top row, physical units) and ACC (bottom row) against lead time in hours, one column per
-    channel, for each forecast of ``scorecard`` (the layout of ``Scorecard.to_json``: ``lead_hours`` and
-    ``scores[forecast][metric][channel]``). Returns a matplotlib Figure (the caller closes it)."""
-    leads, scores = scorecard["lead_hours"], scorecard["scores"]
-    fig, axes = plt.subplots(2, len(channels), figsize=(3.2 * len(channels), 5.2), squeeze=False,
-                             constrained_layout=True)
+def skill_figure(scorecard: dict, channels: list[str], units: dict[str, str] | None = None, run: str | None = None,
+                 step: int | None = None):
+    """RMSE (top row), ACC (middle) and bias (bottom) against lead time, one column per channel, for each forecast
+    of ``scorecard`` (the layout of ``Scorecard.to_json``: ``lead_time``, ``lead_time_unit`` and
+    ``scores[forecast][metric][channel]``); RMSE and bias in ``units[channel]``. Returns a matplotlib Figure (the
+    caller closes it)."""
+    leads, scores = scorecard["lead_time"], scorecard["scores"]
+    unit = scorecard.get("lead_time_unit", "hours")
+    metrics = [m for m in ("rmse", "acc", "bias") if m in scores["model"]]
+    fig, axes = plt.subplots(len(metrics), len(channels), figsize=(3.4 * len(channels) + 0.6, 2.8 * len(metrics)),
+                             squeeze=False, constrained_layout=True)
     for col, ch in enumerate(channels):
-        for row, metric in enumerate(("rmse", "acc")):
+        u = (units or {}).get(ch, "")
+        for row, metric in enumerate(metrics):
             ax = axes[row, col]
             for forecast, style in zip(scores, ("-o", "--", ":")):
+                if metric == "acc" and forecast == "climatology":
+                    continue  # 0 by definition
                 ax.plot(leads, scores[forecast][metric][ch], style, label=forecast, markersize=3)
-            ax.set_title(f"{metric.upper()} {ch}")
-            ax.set_xlabel("lead time (h)")
+            if metric == "bias":
+                ax.axhline(0.0, color="grey", linewidth=0.6)
+            ax.set_title(f"{metric.upper() if metric != 'bias' else 'bias'} {ch}")
+            ax.set_xlabel(LEAD_AXIS.get(unit, unit))
+            ax.set_ylabel("ACC (1)" if metric == "acc" else in_units(metric.upper() if metric == "rmse" else "bias", u))
             ax.grid(alpha=0.3)
-    axes[0, 0].legend()
+            ax.legend(fontsize="small")
+    fig.suptitle(title(run, step, "skill by lead time"))
+    return fig
+
+
+def spectra_figure(scorecard: dict, channels: list[str], units: dict[str, str] | None = None, run: str | None = None,
+                   step: int | None = None, leads: list[int] | None = None):
+    """Zonal power spectra of the forecast (solid) against the truth (dashed) at a few leads (indices ``leads``,
+    default the first, middle and last), log-log over the zonal wavenumbers ``1 .. M``, one panel per channel;
+    the legend gives each lead's blurring figure. Needs ``scorecard["spectra"]``. Returns a matplotlib Figure."""
+    spectra, labels = scorecard["spectra"], scorecard["lead_time"]
+    unit = scorecard.get("lead_time_unit", "hours")
+    picks = leads if leads is not None else sorted({0, len(labels) // 2, len(labels) - 1})
+    k = np.asarray(spectra["wavenumber"])[1:]
+    fig, axes = plt.subplots(1, len(channels), figsize=(3.8 * len(channels) + 0.6, 3.4), squeeze=False,
+                             constrained_layout=True)
+    for ax, ch in zip(axes[0], channels):
+        u = (units or {}).get(ch, "")
+        for n, j in enumerate(picks):
+            color = f"C{n}"
+            lead = f"{labels[j]:g} {'h' if unit == 'hours' else unit}"
+            blur = scorecard.get("blurring", {}) or {}
+            extra = f", blurring {blur[ch][j]:.2f}" if ch in blur else ""
+            ax.loglog(k, np.asarray(spectra["model"][ch][j])[1:], "-", color=color, label=f"forecast {lead}{extra}")
+            ax.loglog(k, np.asarray(spectra["truth"][ch][j])[1:], "--", color=color, label=f"truth {lead}")
+        ax.set_title(f"zonal power spectrum {ch}")
+        ax.set_xlabel("zonal wavenumber (cycles per latitude circle)")
+        ax.set_ylabel(f"power (({u or 'channel units'})^2)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="x-small")
+    fig.suptitle(title(run, step, "spectra at |latitude| <= 60 degrees"))
     return fig

@@ -139,18 +139,19 @@ def _natural_key(path: Path) -> list:
 
 
 def find_runs(expdir: Path, config: str = "*") -> list[Path]:
-    """Run directories ``<expdir>/<config>/<N>GPU/<run_num>`` whose config name matches the glob ``config``.
+    """Run directories ``<expdir>/<config>/<N>GPU/<run_num>`` (``<N>CPU`` for CPU jobs) whose config name matches
+    the glob ``config``.
 
     Raises:
         UserError: ``expdir`` is not a directory, or holds no (matching) runs.
     """
     if not expdir.is_dir():
         raise UserError(f"--expdir {expdir}: no such directory; pass the directory the trainer's --expdir named")
-    found = sorted((p.parent for p in expdir.glob(f"{config}/*GPU/*/run.json")), key=_natural_key)
+    found = sorted((p.parent for p in expdir.glob(f"{config}/*[GC]PU/*/run.json")), key=_natural_key)
     if found:
         return found
     if config != "*":
-        names = sorted({p.parents[2].name for p in expdir.glob("*/*GPU/*/run.json")})
+        names = sorted({p.parents[2].name for p in expdir.glob("*/*[GC]PU/*/run.json")})
         raise UserError(f"no runs of config '{config}' under {expdir} (configs there: {', '.join(names) or 'none'}); "
                         "fix --config")
     raise UserError(f"no runs under {expdir} (looked for {expdir}/<config>/<N>GPU/<run_num>/run.json); "
@@ -315,10 +316,32 @@ def _file_stem(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def write_plots(runs: list[Run], channels: list[str], out: Path) -> tuple[list[Path], list[str]]:
+LEGEND_KEYS = 3  # differing keys named in a plot's legend; the table has them all
+
+
+def legend_labels(runs: list[Run], keys: list[str]) -> list[str]:
+    """Each run's name and its values of the first :data:`LEGEND_KEYS` differing ``keys`` (``00: lr=0.003``), so
+    the legend says what the lines differ in, not just run ids."""
+    labels = []
+    for run in runs:
+        values = [f"{k}={_compact(run.info.get('world_size') if k == 'world_size' else run.config.get(k))}"
+                  for k in keys[:LEGEND_KEYS]]
+        labels.append(f"{run.name}: {', '.join(values)}" if values else run.name)
+    return labels
+
+
+def default_out(run_dirs: list[Path], expdir: Optional[Path]) -> Path:
+    """Where the plots go without ``--out``: ``<expdir>/compare_runs``, else beside the runs (their common
+    parent's ``compare_runs``): never the directory the command happens to run in."""
+    if expdir is not None:
+        return expdir / "compare_runs"
+    return Path(os.path.commonpath([p.absolute() for p in run_dirs])).parent / "compare_runs"
+
+
+def write_plots(runs: list[Run], channels: list[str], out: Path, keys: list[str] = ()) -> tuple[list[Path], list[str]]:
     """``valid_loss.png`` and ``rmse_<channel>.png`` in ``out``: the metric against iteration (left) and
-    wall-clock time since start (right), one line per run. Returns the files written and notes on what was
-    left out.
+    wall-clock time since start (right), one line per run, labelled with its values of the differing ``keys``
+    (:func:`legend_labels`). Returns the files written and notes on what was left out.
 
     Raises:
         UserError: ``out`` cannot be written.
@@ -329,8 +352,8 @@ def write_plots(runs: list[Run], channels: list[str], out: Path) -> tuple[list[P
     import matplotlib.pyplot as plt
 
     notes = [f"{r.name} has no epochs yet; left out of the plots" for r in runs if not r.epochs]
-    metrics = [("loss/valid", "validation loss", "valid_loss")]
-    metrics += [(f"rmse/{c}", f"RMSE {c}", f"rmse_{_file_stem(c)}") for c in channels]
+    metrics = [("loss/valid", "validation loss (normalized units)", "valid_loss")]
+    metrics += [(f"rmse/{c}", f"RMSE {c} (the data's units)", f"rmse_{_file_stem(c)}") for c in channels]
     seconds = max((r["elapsed_s"] for run in runs for r in run.epochs), default=0.0)
     scale, unit = _time_axis(seconds)
     try:
@@ -338,8 +361,9 @@ def write_plots(runs: list[Run], channels: list[str], out: Path) -> tuple[list[P
     except OSError as exc:
         raise UserError(f"cannot create --out {out}: {exc}; pass another --out") from None
     written = []
+    names = legend_labels(runs, list(keys))
     for key, label, stem in metrics:
-        series = [(run.name, [r for r in run.epochs if r.get(key) is not None]) for run in runs]
+        series = [(name, [r for r in run.epochs if r.get(key) is not None]) for name, run in zip(names, runs)]
         series = [(name, records) for name, records in series if records]
         if not series:
             notes.append(f"no run has {key} yet; {stem}.png not written")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import resource
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,13 @@ import torch.distributed as dist
 from utils.core.component import Component
 
 GIB = 1024**3
+MIB = 1024**2
+
+
+def size_unit(largest_bytes: float) -> tuple[str, int]:
+    """``("GiB", GIB)`` for sizes from 1 GiB up, else ``("MiB", MIB)``: small models' figures read as numbers, not
+    as 0.000 GiB."""
+    return ("GiB", GIB) if largest_bytes >= GIB else ("MiB", MIB)
 
 
 def allocator_counters(device: torch.device) -> dict[str, int]:
@@ -157,6 +165,19 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def trim_host_heap() -> bool:
+    """Give the host heap's free memory back to the kernel (glibc's ``malloc_trim(0)``), so that RSS falls after
+    large tensors are freed: glibc otherwise keeps freed heap pages, and a smaller trial after a larger one would
+    read as large. False where there is no glibc (``man 3 malloc_trim``)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes since the start or :func:`reset_peak_rss`
     (``VmHWM`` of ``/proc/self/status``; ``ru_maxrss``, never reset, where that is missing)."""
@@ -168,3 +189,22 @@ def peak_rss_bytes() -> int:
     if found:
         return int(found.group(1)) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process may still allocate on the host: ``MemAvailable`` of ``/proc/meminfo``, capped by the
+    job's cgroup (v2 ``memory.max`` minus ``memory.current``: SLURM's ``--mem`` limit); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            found = re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    available = int(found.group(1)) * 1024 if found else None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    if limit.isdigit() and available is not None:
+        return min(available, int(limit) - used)
+    return available

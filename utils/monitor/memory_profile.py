@@ -45,7 +45,7 @@ from distributed.world import World, all_reduce
 from utils.config.schema import MemoryConfig
 from utils.core.component import Component
 from utils.monitor.activations import ActivationCounter, gradient_bytes, optimized_parameters, optimizer_state_bytes, tensor_bytes
-from utils.monitor.memory import GIB, peak_rss_bytes
+from utils.monitor.memory import peak_rss_bytes, size_unit
 from utils.monitor.module_table import STEP_PEAK, ModuleTable, format_table, load_trackers
 from utils.monitor.oom import record_history, snapshot_on_oom
 
@@ -267,11 +267,13 @@ class MemoryProfiler(Component):
             return
         window = ", ".join(f"e{r['epoch']} s{r['step']}" for r in summary["window"])
         names = ["parameters", "gradients", "optimizer", "activations", "peak allocated" if self.cuda else "peak RSS"]
-        lines = [f"memory profile ({window}), GiB per rank:", "  rank" + "".join(f"{n:>15}" for n in names)]
-        lines += [f"  {r:4d}" + "".join(f"{v / GIB:15.3f}" for v in row) for r, row in enumerate(table.tolist())]
+        unit, scale = size_unit(float(table.max()))
+        lines = [f"memory profile ({window}), {unit} per rank:", "  rank" + "".join(f"{n:>15}" for n in names)]
+        lines += [f"  {r:4d}" + "".join(f"{v / scale:15.3f}" for v in row) for r, row in enumerate(table.tolist())]
         top = sorted((r for r in rows if r["module"] != STEP_PEAK), key=lambda r: -r["peak_bytes"])[:TOP_MODULES]
-        lines.append("  top modules by peak (rank 0): " + ", ".join(
-            f"{r['module']} {r['peak_bytes'] / GIB:.3f} GiB ({r['state']})" for r in top))
+        unit, scale = size_unit(max((r["peak_bytes"] for r in top), default=0))
+        lines.append(f"  top modules by peak (rank 0, {unit}): " + ", ".join(
+            f"{r['module']} {r['peak_bytes'] / scale:.3f} ({r['state']})" for r in top))
         lines.append(f"  files in {self.directory.parent}/rank<r>/: {SUMMARY_FILE} (these figures, bytes), "
                      f"{STATS_FILE} (memory_stats and host RSS/VMS at each step's start and end; any YAML viewer), "
                      f"{TABLE_FILE} / {TABLE_JSON_FILE} (memory per module and category at its peak)"

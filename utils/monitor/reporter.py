@@ -66,6 +66,26 @@ def mark_if_dead(run_dir: Path, locked: bool = False) -> dict:
     return record
 
 
+# run.json's status -> the HParams tab's: a preempted run goes on when requeued; an interrupted one may not
+HPARAMS_STATUS = {"completed": "STATUS_SUCCESS", "failed": "STATUS_FAILURE", "preempted": "STATUS_RUNNING",
+                  "interrupted": "STATUS_UNKNOWN"}
+
+
+def session_end(status: str):
+    """The HParams session-end summary for ``status`` (a key of :data:`HPARAMS_STATUS`), built from TensorBoard's
+    protocol buffers as ``torch.utils.tensorboard.summary.hparams`` builds its always-successful one."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams.api_pb2 import Status
+    from tensorboard.plugins.hparams.metadata import PLUGIN_DATA_VERSION, PLUGIN_NAME, SESSION_END_INFO_TAG
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo
+    content = HParamsPluginData(session_end_info=SessionEndInfo(status=Status.Value(HPARAMS_STATUS[status]),
+                                                                end_time_secs=time.time()),
+                                version=PLUGIN_DATA_VERSION)
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME,
+                                                                      content=content.SerializeToString()))
+    return Summary(value=[Summary.Value(tag=SESSION_END_INFO_TAG, metadata=metadata)])
+
+
 def tensorboard_tag(key: str) -> str:
     """TensorBoard tag of a record key: sectioned keys as they are, throughput under ``perf/``."""
     return key if "/" in key or key == "lr" else f"perf/{key}"
@@ -137,7 +157,8 @@ class Reporter(Component):
         self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge)
         hp = {k: hparam_value(v) for k, v in record["config"].items()}
         hp.update(world_size=record["world_size"], **{f"mesh_{k}": v for k, v in record["mesh"].items()})
-        for summary in hparams(hp, {tag: 0.0 for tag in self.metric_tags}):
+        experiment, session_start, _ = hparams(hp, {tag: 0.0 for tag in self.metric_tags})
+        for summary in (experiment, session_start):  # the session's end, with its real status, comes at close
             self.writer.file_writer.add_summary(summary)
 
     def _resumed_record(self, record: dict[str, Any], step: int) -> dict[str, Any]:
@@ -214,11 +235,12 @@ class Reporter(Component):
             self.bar.close()
         if self.run_dir is None or not self.record:
             return
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
         status = ("completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
                   else "preempted" if isinstance(error, Preempted) else "failed")
+        if self.writer is not None:
+            self.writer.file_writer.add_summary(session_end(status))
+            self.writer.close()
+            self.writer = None
         self.record.update(finished=now(), status=status, wall_s=round(self.elapsed(), 1),
                            error=None if error is None else str(error) or type(error).__name__)
         try:

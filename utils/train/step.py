@@ -16,7 +16,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from distributed.float8 import float8_step_hook
+from distributed.float8 import float8_step_hook, log_fp8_advice
 from distributed.parallelize import AMP_DTYPES, build_parallel_model, gradient_factor, gradient_sync, uses_fsdp
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
@@ -24,6 +24,7 @@ from networks.vit import build_model
 from utils.config.schema import Config, OptimConfig
 from utils.core.errors import UserError
 from utils.evaluation.metrics import relative_l2_loss
+from utils.monitor.memory import GIB, host_memory_available
 from utils.monitor.profiling import nvtx_range
 
 log = logging.getLogger(__name__)
@@ -148,17 +149,59 @@ def count_parameters(cfg: Config) -> int:
         return sum(t.numel() for t in build_model(cfg.model, cfg.data).parameters())
 
 
+def plain_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the plain model's ``state_dict`` (the layout checkpoints keep), on the meta device."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in build_model(cfg.model, cfg.data).state_dict().items()}
+
+
+def check_host_memory(cfg: Config, world: World) -> None:
+    """Stop before anything is written when the host cannot hold the model: every rank of this host builds its fp32
+    weights there (under FSDP alone only rank 0, the full model, which it then shards), and on CPU each rank also
+    keeps gradients and Adam's two moments (16 bytes a parameter, sharded under FSDP).
+
+    Raises:
+        UserError: the bytes needed exceed what the host (or the job's cgroup) has available.
+    """
+    available = host_memory_available()
+    if available is None:
+        return
+    n = count_parameters(cfg)
+    ranks = world.env.local_world_size
+    fsdp_only = uses_fsdp(cfg.parallel, world) and not world.model_parallel
+    needed = 4 * n * (1 if fsdp_only else ranks)
+    if world.device.type == "cpu":
+        trained = 16 * n * ranks // (world.dp if fsdp_only else 1)
+        needed = needed + trained if fsdp_only else trained
+    if needed > available:
+        count = f"{n / 1e9:,.1f} billion" if n >= 1e9 else f"{n / 1e6:,.1f} million"
+        raise UserError(f"the model has {count} parameters: {ranks} rank(s) on this host need at least "
+                        f"{needed / GIB:,.1f} GiB of host memory for it, but {available / GIB:,.1f} GiB is "
+                        "available; make the model smaller (embed_dim, depth), shard it (--fsdp zero3), or use "
+                        "fewer ranks per node")
+
+
 def build_training_step(cfg: Config, world: World) -> TrainingStep:
     """The parallel model (``distributed/parallelize.py``: float8, DDP, FSDP, TP/CP, AC, compile), Adam (fused
     on CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
-    only: bf16 and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on ``world``.
+    only: bf16, bf16_pure and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on
+    ``world``. With fp8 on a GPU, rank 0 logs once where fp8 pays on it (a warning below that width).
 
     Weights are seeded with ``optim.seed``, so every rank starts from the same ones.
     """
     torch.manual_seed(cfg.optim.seed)
     opt, prec = cfg.optim, cfg.precision
+    if prec.amp_mode == "fp8" and world.device.type == "cuda" and world.is_main:
+        log_fp8_advice(torch.cuda.get_device_name(world.device), cfg.model.embed_dim)
     model = build_parallel_model(partial(build_model, cfg.model, cfg.data), cfg.parallel, prec, world,
                                  opt.grad_accum_steps)
+    return training_step(cfg, world, model)
+
+
+def training_step(cfg: Config, world: World, model: torch.nn.Module) -> TrainingStep:
+    """The step of :func:`build_training_step` around ``model``, already parallelized for ``world`` (the dry run of
+    ``utils/tuner/plan.py`` builds it on fake tensors)."""
+    opt, prec = cfg.optim, cfg.precision
     fused = prec.enable_fused and world.device.type in ("cuda", "cpu")
     optimizer = torch.optim.Adam(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                  weight_decay=opt.weight_decay, fused=fused or None)

@@ -31,9 +31,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distributed.checkpoint.export import package_meta
+from distributed.checkpoint.files import resolve_checkpoint
 from distributed.checkpoint.manager import CheckpointManager
 from distributed.checkpoint.staging import register_pinned_memory
+from distributed.checkpoint.storage import check_model_shapes
 from distributed.parallelize import AMP_DTYPES
+from distributed.simulate import is_simulated, notice
 from distributed.world import World, all_reduce, main_decides
 from utils.config.loading import to_yaml
 from utils.config.schema import Config
@@ -50,10 +54,11 @@ from utils.monitor.memory import MemoryTracker
 from utils.monitor.memory_profile import MemoryProfiler
 from utils.monitor.oom import OutOfMemoryHandler
 from utils.monitor.profiling import ProfilerWindow, nvtx_range
-from utils.monitor.reporter import Reporter, tensorboard_tag
+from utils.monitor.reporter import Reporter, read_run_record, tensorboard_tag
 from utils.train.run_dir import RunDir, open_run_dir, run_record
 from utils.train.state import TrainState
-from utils.train.step import build_training_step, count_parameters, set_attention_backend
+from utils.train.step import (build_training_step, check_host_memory, count_parameters, plain_shapes,
+                              set_attention_backend)
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +97,17 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
                               self.amp_dtype or torch.float32)
+        check_host_memory(cfg, world)
+        self._check_resume_source(cfg, world)
+        self._stop_if_signalled("during start-up")
         # nothing above leaves anything on disk: a bad input stops the run before its directory exists
         recorded = copy.deepcopy(command_cfg or cfg)
         run = self._open_run_dir(recorded, world)
         self.run_dir = run.path
         self.cfg = cfg = copy.deepcopy(cfg)
         recorded.logging.run_num = cfg.logging.run_num = self.run_dir.name
+        if run.resume:
+            self._check_same_data(read_run_record(run.path).get("data"))
         setup_logging(self.run_dir / "out.log" if world.is_main else None, world.rank)
         log.info("%s", run.note)
         self._log_world()
@@ -107,6 +117,8 @@ class Trainer:
         self.state = TrainState(data_parallel=world.dp, total_steps=cfg.optim.num_iters)
         self.read_back: tuple[int, float] | None = None  # (iteration, loss) of the newest step read back
         self.data_wait = 0.0  # host seconds of this epoch spent waiting for the loader
+        self.pending = None  # the last step's finiteness check, read one step late to avoid a sync per step
+        self.loss_sum = torch.zeros((), device=self.device)  # this epoch's summed loss, on the device
         self._build_components(run, recorded, extra)
 
     # ---------------------------------------------------------------- construction
@@ -117,10 +129,20 @@ class Trainer:
         return main_decides(lambda: open_run_dir(c.logging, c.checkpoint.resume, c.name, world.world_size, c.flat(),
                                                  world.device.type == "cuda"), world, (UserError, NothingToDo))
 
+    @staticmethod
+    def _check_resume_source(cfg: Config, world: World) -> None:
+        """``--resume PATH``: a complete checkpoint of this model (read by rank 0, its verdict on every rank)."""
+        if cfg.checkpoint.resume in ("auto", "never"):
+            return
+        main_decides(lambda: check_model_shapes(resolve_checkpoint(Path(cfg.checkpoint.resume)), plain_shapes(cfg)),
+                     world, (UserError,))
+
     def _log_world(self) -> None:
         w = self.world
         log.info("rank %d/%d on %s (launcher %s): dp=%d cp=%d tp=%d, local batch %d, global batch %d",
                  w.rank, w.world_size, self.device, w.env.launcher, w.dp, w.cp, w.tp, self.local_bs, self.global_bs)
+        if is_simulated(w.env):
+            log.warning("%s", notice(self.cfg.parallel))
         if w.world_size > 1 and not w.is_main:
             print(f"rank {w.rank}/{w.world_size} on {self.device} ready", flush=True)
 
@@ -135,7 +157,13 @@ class Trainer:
         m = self.cfg.model
         log.info("model: %s embed %d depth %d heads %d patch %d, %.2fM parameters", m.nettype, m.embed_dim, m.depth,
                  m.num_heads, m.patch_size, count_parameters(self.cfg) / 1e6)
-        self.step_fn = build_training_step(self.cfg, self.world)
+        try:
+            self.step_fn = build_training_step(self.cfg, self.world)
+        except RuntimeError as exc:  # the host ran out while building (other processes took memory meanwhile)
+            if "DefaultCPUAllocator" not in str(exc):
+                raise
+            raise UserError(f"out of host memory while building the model ({str(exc).splitlines()[0]}); make the "
+                            "model smaller (embed_dim, depth), shard it (--fsdp zero3), or free host memory") from None
         s = self.step_fn
         self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
 
@@ -146,18 +174,19 @@ class Trainer:
         self.profiler = ProfilerWindow(lg.profile_epoch, lg.profile_start_step, lg.profile_steps, world.rank)
         self.memory_profile = MemoryProfiler(cfg.memory, memory_dir, world, self.model, self.optimizer, self.local_bs)
         self.memory = MemoryTracker(self.device)
-        self.evaluator.attach(self.model, self.step_fn.autocast, self.oom.phase)
+        self.evaluator.attach(self.model, self.step_fn.autocast, self.oom.phase,
+                              run_name="/".join(self.run_dir.parts[-3:]))
         self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.reporter = Reporter(lg, self.run_dir if world.is_main else None, self.evaluator.key_channels,
-                                 run_record(cfg.name, recorded.flat(), self._world_info()),
+                                 run_record(cfg.name, recorded.flat(), {**self._world_info(), "data": self._data_info()}),
                                  to_yaml(recorded, exclude=("run_num",)),
                                  self._metric_tags(), math.ceil(cfg.optim.num_iters / self.steps_per_epoch),
                                  self.last_loss)
         self.checkpoint = CheckpointManager(cfg.checkpoint, self.run_dir / "checkpoints", self.model, self.optimizer,
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, world, settle=self.settle,
-                                            export_meta={"config": cfg.flat()})
+                                            export_meta=package_meta(cfg, self.data))
         self.components: list[Component] = [self.profiler, self.memory_profile, self.memory, self.evaluator,
                                             *(extra(self.run_dir) if extra else []), self.reporter, self.checkpoint,
                                             self.oom, self.data, run]
@@ -180,6 +209,23 @@ class Trainer:
         if not run.resume:  # --resume PATH starts a new run from that state: its records start afresh
             self.state.resumed_step = None
 
+    def _data_info(self) -> dict:
+        """What run.json records of the data, which a continuation must find unchanged."""
+        return {"channels": list(self.data.channel_names), "step_hours": self.data.step_hours}
+
+    def _check_same_data(self, recorded: dict | None) -> None:
+        """A continued run trains on the data it started on: the same channels and time step.
+
+        Raises:
+            UserError: they differ (naming both), e.g. ``--data_path`` now holds other files.
+        """
+        now = self._data_info()
+        for key, was in (recorded or {}).items():
+            if key in now and now[key] != was:
+                raise UserError(f"run {self.run_dir} was trained on data with {key} {was}, but the data at "
+                                f"{self.cfg.data.data_path} has {key} {now[key]}; point --data_path at the run's data, "
+                                "or start another run (--resume never or a new --run_num)")
+
     def _world_info(self) -> dict:
         """World size, mesh, launcher, and the host and device of every rank (collective)."""
         w = self.world
@@ -189,7 +235,8 @@ class Trainer:
             ranks = [None] * w.world_size
             dist.all_gather_object(ranks, mine)
         return {"world_size": w.world_size, "mesh": {"dp": w.dp, "cp": w.cp, "tp": w.tp},
-                "launcher": w.env.launcher, "hosts": [h for h, _ in ranks], "devices": [d for _, d in ranks]}
+                "launcher": w.env.launcher, "hosts": [h for h, _ in ranks], "devices": [d for _, d in ranks],
+                **({"simulation": notice(self.cfg.parallel)} if is_simulated(w.env) else {})}
 
     def _metric_tags(self) -> list[str]:
         memory = "memory/peak_allocated" if self.device.type == "cuda" else "memory/peak_rss"
@@ -222,7 +269,7 @@ class Trainer:
         log.info("training %d iterations: %d epoch%s of %d steps (%d samples/epoch); run directory %s",
                  state.total_steps, n_epochs, "" if n_epochs == 1 else "s", self.steps_per_epoch,
                  self.steps_per_epoch * self.global_bs, self.run_dir)
-        self._stop_if_signalled()
+        self._stop_if_signalled(f"before iteration {self.state.step + 1}")
         record: dict = {}
         while not state.done:
             state.epoch_end = min(self.steps_per_epoch, state.epoch_step + state.total_steps - state.step)
@@ -231,13 +278,13 @@ class Trainer:
                 component.epoch_end(state, record)
         return record
 
-    def _stop_if_signalled(self) -> None:
-        """A signal during start-up (every rank agrees): stop before the first step; nothing was trained, so
-        nothing is lost."""
+    def _stop_if_signalled(self, when: str) -> None:
+        """A signal during start-up (every rank agrees): stop (before the run directory, or before the first step);
+        nothing was trained, so nothing is lost."""
         flag = torch.tensor(float(self.preemption.signum), device=self.device)
         signum = int(all_reduce(flag, self.world, op=dist.ReduceOp.MAX).item())
         if signum:
-            raise Preempted(f"preempted by {signal_name(signum)} before iteration {self.state.step + 1}: nothing "
+            raise Preempted(f"preempted by {signal_name(signum)} {when}: nothing "
                             f"trained since the last checkpoint; exit status {EXIT_PREEMPTED}; run the same command "
                             "to go on" if self.world.is_main else "")
 
@@ -253,7 +300,7 @@ class Trainer:
         self.model.train()
         self.data.train.set_epoch(epoch, start_batch=start * self.accum)
         self.loss_sum = torch.tensor(state.epoch_loss_sum, device=self.device)
-        self.pending = None  # the last step's finiteness check, read one step late to avoid a sync per step
+        self.pending = None
         batches = iter(self.data.train)
         self.data_wait = 0.0  # host seconds blocked waiting for the loader
         self._hooks("epoch_start")
@@ -355,7 +402,7 @@ class Trainer:
         flag, signum, loss = check["host"].tolist()
         self.read_back = (check["step"] + 1, loss)
         self.state.stop_signal = self.state.stop_signal or int(signum)
-        if not flag:
+        if not flag or is_simulated(self.world.env):  # a simulated rank's values are meaningless
             return
         bad = nonfinite_samples(self.data, torch.cat(check["indices"]).tolist(), "train", self.world)
         if bad:

@@ -20,10 +20,23 @@ from utils.core.logs import setup_logging
 from utils.data.loaders import build_data
 from utils.train.run_dir import find_run
 from utils.train.trainer import ExtraComponents
-from utils.tuner.tune import (AUTO_OBJECTIVE, TUNE_FILE, TuneResult, journal_path, out_path, recorded_choice, summary,
-                              tune, with_batch, write_outputs)
+from utils.tuner.tune import (AUTO_OBJECTIVE, TUNE_FILE, TUNER_ONLY, TuneResult, journal_path, out_path,
+                              recorded_choice, summary, tune, with_batch, write_outputs)
 
 log = logging.getLogger(__name__)
+
+
+def reject_tuner_keys(argv: list[str], cfg: Config) -> None:
+    """The tuner's own keys on a ``train.py`` command line do something only with ``--local_batch_size auto``.
+
+    Raises:
+        UserError: such keys given without it (they would be ignored), naming them.
+    """
+    given = sorted({arg.split("=", 1)[0][2:] for arg in argv if arg.startswith("--")} & set(TUNER_ONLY))
+    if given and cfg.optim.local_batch_size != AUTO:
+        flags = " ".join(f"--{k}" for k in given)
+        raise UserError(f"{flags}: tuner keys, which train.py uses only with --local_batch_size auto; drop them, add "
+                        "--local_batch_size auto, or run python -m tools.tune_batch_size")
 
 
 class TuneReport(Component):

@@ -1,5 +1,5 @@
 """The tuner's command line (``python -m tools.tune_batch_size``): parse like ``train.py``, validate, join the
-ranks, search, report."""
+ranks, search, report; with ``--simulate_world_size N``, the planner of an N-rank job (``utils/tuner/plan.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> Non
     from utils.tuner.tune import (journal_path, out_path, summary, tune, tune_combination, without_tuner_keys, write_outputs)
 
     launch = detect_launch()
+    if cfg.parallel.simulate_world_size:
+        from utils.tuner.plan import plan_job
+        setup_logging(None, 0)
+        print(plan_job(cfg, without_tuner_keys(argv), launch, out_path(cfg), cfg.tune.tune_start), flush=True)
+        return
     # as the trials run: with synthetic batches, the configured loader (DALI, say) need not be installed here
     validate(trial_config(cfg, cfg.tune.tune_start), validation_launch(launch))
     with distributed_session(cfg.parallel, launch) as world:

@@ -306,15 +306,23 @@ def scaled_lr(lr: float, old_global: int, new_global: int) -> float:
     return lr * math.sqrt(new_global / old_global)
 
 
-def choice_args(choice: Trial, base_args: list[str], lr: float, base_global: int) -> list[str]:
+def choice_args(choice: Trial, base_args: list[str], lr: float, base_global: int, num_iters: int | None = None) -> list[str]:
     """The ``train.py`` arguments that train with ``choice``: ``base_args`` then ``--local_batch_size N``,
-    and ``--lr X`` (:func:`scaled_lr` of ``lr``, the resolved learning rate at global batch
-    ``base_global``) when the global batch changes. Appended last, they override ``base_args``
-    (a key given twice takes its last value)."""
+    and, when the global batch changes, ``--lr X`` (:func:`scaled_lr` of ``lr``, the resolved learning rate at
+    global batch ``base_global``) and ``--num_iters`` scaled so the run sees as many samples as ``num_iters``
+    steps at ``base_global`` did (the config ladder's iterations x 16 / B). Appended last, they override
+    ``base_args`` (a key given twice takes its last value)."""
     args = [*base_args, "--local_batch_size", str(choice.local_batch_size)]
     if choice.global_batch_size != base_global:
         args += ["--lr", f"{scaled_lr(lr, base_global, choice.global_batch_size):.6g}"]
+        if num_iters is not None:
+            args += ["--num_iters", str(scaled_iterations(num_iters, base_global, choice.global_batch_size))]
     return args
+
+
+def scaled_iterations(num_iters: int, base_global: int, global_batch: int) -> int:
+    """Optimizer steps at ``global_batch`` that see the samples of ``num_iters`` steps at ``base_global``."""
+    return max(1, round(num_iters * base_global / global_batch))
 
 
 def fmt(value, spec: str) -> str:

@@ -5,7 +5,8 @@ TP/CP, AC, AMP, compile), runs ``tune_warmup_steps`` steps (compilation happens 
 ``tune_steps`` steps and reads the allocator's counters over those steps only. The search, the
 agreement of all ranks on each verdict and the report are ``utils/batch_tuner.py``'s.
 
-Out of memory. With one process, an OOM is caught: the trial is recorded as failed, the model,
+Out of memory. With one process (also a simulated rank of a larger job, ``distributed/simulate.py``: it has no
+peers), an OOM is caught: the trial is recorded as failed, the model,
 optimizer, compiled graphs and cached blocks are freed, and the search goes on. With several, the
 other ranks are inside the step's collectives waiting for the failed one, which nothing in PyTorch
 can cancel short of aborting the communicators, so the job stops instead: the OOM is written to the
@@ -15,6 +16,8 @@ marked OOM; ``torchrun --max-restarts N`` does so by itself.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import copy
 import gc
@@ -27,13 +30,14 @@ from typing import Iterator
 
 import torch
 
+from distributed.simulate import is_simulated
 from distributed.world import World, broadcast_from_main
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
 from utils.core.errors import OutOfMemory
 from utils.data.loaders import build_data
 from utils.monitor.flops import peak_flops, vit_flops_per_sample
-from utils.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss
+from utils.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
 from distributed.parallelize import AMP_DTYPES
 from utils.train.step import build_training_step, set_attention_backend
 from utils.tuner.search import Trial
@@ -50,7 +54,7 @@ def trial_config(cfg: Config, local_batch: int) -> Config:
     return cfg
 
 
-def _endless(batches) -> Iterator[tuple]:
+def endless(batches) -> Iterator[tuple]:
     """The loader's batches, epoch after epoch (a trial may need more steps than an epoch has)."""
     epoch = 0
     while True:
@@ -64,14 +68,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
+def release(device: torch.device) -> None:
     """Free what a trial left: compiled graphs (each trial compiles for its own shapes, as training
-    does), unreachable objects, and the allocator's cached blocks; reset the peak statistics."""
+    does), unreachable objects, and the allocator's cached blocks (on CPU, the heap's free pages); reset the
+    peak statistics. On CPU the next trial's peak RSS then starts from what is really in use."""
     torch.compiler.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        trim_host_heap()
+        reset_peak_rss()
 
 
 class _Counters:
@@ -133,7 +141,7 @@ class BatchTrials:
         _, global_batch = batch_sizes(cfg.optim, self.world.dp)
         trial, counters = Trial(local_batch, global_batch), _Counters(device)
         self.journal.running(trial)
-        _release(device)
+        release(device)
         counters.start()
         try:
             elapsed = self._run(cfg, counters)
@@ -143,7 +151,7 @@ class BatchTrials:
         if elapsed is None:  # the peaks first: the release resets them
             self._read(trial, counters)
             trial.ooms = max(1, trial.ooms)
-            _release(device)  # after the except block: its traceback no longer holds the step's tensors
+            release(device)  # after the except block: its traceback no longer holds the step's tensors
             self._out_of_memory(trial, message)
         else:
             trial.step_time_s = elapsed / self.steps
@@ -151,7 +159,7 @@ class BatchTrials:
             if self.peak_flops:
                 trial.mfu = trial.samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
             self._read(trial, counters)
-        _release(device)
+        release(device)
         trial.over_budget = self.budget is not None and trial.peak_reserved_bytes > self.budget
         return trial
 
@@ -162,7 +170,7 @@ class BatchTrials:
                           cfg.optim.seed)
         try:
             step = build_training_step(cfg, world)
-            batches = _endless(data.train)
+            batches = endless(data.train)
             for _ in range(self.warmup):
                 step(batches)
             _synchronize(world.device)
@@ -181,8 +189,8 @@ class BatchTrials:
             setattr(trial, name, value)
 
     def _out_of_memory(self, trial: Trial, message: str) -> None:
-        """Log the OOM and go on (one process), or journal it and raise (several)."""
-        if self.world.world_size == 1:
+        """Log the OOM and go on (one process, or a simulated rank), or journal it and raise (several)."""
+        if self.world.world_size == 1 or is_simulated(self.world.env):
             log.info("batch tuner: local batch %d ran out of memory (%s); freed, going on", trial.local_batch_size,
                      message)
             return
@@ -205,6 +213,7 @@ class Journal:
     def __init__(self, path: Path, fingerprint: dict, world: World):
         self.path, self.world = path, world
         self.trials: dict[int, Trial] = broadcast_from_main(self._read(fingerprint) if world.is_main else None, world)
+        self._new_dirs = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
         if world.is_main and not self.trials:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
@@ -248,6 +257,22 @@ class Journal:
         """Delete the journal (rank 0), once the result is written."""
         if self.world.is_main:
             self.path.unlink(missing_ok=True)
+
+    def discard_if_unused(self) -> None:
+        """Delete the journal, and the folders made for it, when it holds nothing to continue from (no trial
+        finished, no OOM recorded): a bad input (unreadable data, say) stopped the tuning before it measured."""
+        if not self.world.is_main:
+            return
+        try:
+            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return
+        if any("trial" in line or "oom" in line for line in lines):
+            return
+        self.path.unlink(missing_ok=True)
+        for directory in self._new_dirs:  # innermost first; a folder something else wrote to stays
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def _fields(trial: Trial) -> dict:

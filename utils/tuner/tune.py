@@ -8,13 +8,15 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from distributed.world import World
 from utils.config.schema import Config, TuneConfig
 from utils.config.types import AUTO
 from utils.config.validate import batch_sizes
+from utils.core.errors import UserError
+from utils.data.dataset import ERA5Dataset
 from utils.tuner.report import plot, report_table, save_json
 from utils.tuner.search import OBJECTIVES, Trial, choice_args, choose, combine, search
 from utils.tuner.trials import BatchTrials, Journal
@@ -30,6 +32,10 @@ AUTO_OBJECTIVE = "max-throughput"  # what --local_batch_size auto trains with
 TUNER_ONLY = tuple(f.name for f in fields(TuneConfig))
 
 
+# keys of a simulated job (distributed/simulate.py): left out of the printed arguments, which launch the real one
+SIMULATION_KEYS = ("simulate_world_size", "simulate_rank")
+
+
 @dataclass
 class TuneResult:
     """The agreed trials in measurement order, the choice per objective, the ``train.py`` arguments of
@@ -41,6 +47,9 @@ class TuneResult:
     base_global: int
     base_lr: float
     dimension: str = "batch"  # "batch", or the second dimension searched at a fixed global batch
+    notes: list[str] = field(default_factory=list)  # what the printed arguments cannot promise
+    budget_bytes: float | None = None  # the memory budget the verdicts used
+    device: str = "cuda"  # where the trials ran: "cuda", or "cpu" (peak RSS stands for reserved memory)
 
     def lr(self, objective: str) -> float:
         """The learning rate ``args[objective]`` trains with (the scaled one when it sets ``--lr``)."""
@@ -79,13 +88,50 @@ def tune(cfg: Config, world: World, base_args: list[str], journal_path: Path, qu
         t.tune_warmup_steps, t.tune_steps, t.tune_below)
     journal = Journal(journal_path, fingerprint(cfg, world), world)
     deadline = None if t.max_minutes is None else time.monotonic() + 60 * t.max_minutes
-    trials = search(BatchTrials(cfg, world, journal, warmup, steps), world, start=t.tune_start,
-                    resolution=t.resolution, max_batch=t.tune_max_batch, below=below, deadline=deadline)
+    runner = BatchTrials(cfg, world, journal, warmup, steps)
+    try:
+        trials = search(runner, world, start=t.tune_start, resolution=t.resolution, max_batch=t.tune_max_batch,
+                        below=below, deadline=deadline)
+    except UserError:
+        journal.discard_if_unused()
+        raise
     choices = choose(trials, t.tolerance)
     base = base_batch(cfg, world.dp)
-    args = {name: choice_args(choice, base_args, cfg.optim.lr, base) for name, choice in choices.items()}
+    args = {name: choice_args(choice, base_args, cfg.optim.lr, base, cfg.optim.num_iters)
+            for name, choice in choices.items()}
     journal.remove()
-    return TuneResult(trials, choices, args, base, cfg.optim.lr)
+    return TuneResult(trials, choices, args, base, cfg.optim.lr, notes=short_epochs(cfg, choices),
+                      budget_bytes=runner.budget, device=world.device.type)
+
+
+# an epoch of fewer optimizer steps than this validates and checkpoints too often to train as the config meant
+MIN_EPOCH_STEPS = 4
+
+
+def short_epochs(cfg: Config, choices: dict[str, Trial]) -> list[str]:
+    """Notes for the choices whose global batch leaves an epoch of the training data fewer than
+    :data:`MIN_EPOCH_STEPS` steps (and drops the samples short of a whole batch)."""
+    samples = training_samples(cfg)
+    notes = []
+    for name, choice in choices.items():
+        steps = samples // choice.global_batch_size if samples else None
+        if steps is not None and steps < MIN_EPOCH_STEPS:
+            notes.append(f"{name}: global batch {choice.global_batch_size} leaves {steps} step(s) per epoch of "
+                         f"{samples} training samples ({samples - steps * choice.global_batch_size} unused each "
+                         f"epoch); train on more samples, or pass a smaller --local_batch_size")
+    return notes
+
+
+def training_samples(cfg: Config) -> int | None:
+    """Training samples an epoch of ``cfg`` holds (None when the data cannot be opened here)."""
+    d = cfg.data
+    if d.data_loader_config == "synthetic":
+        return d.limit_nsamples or 512
+    try:
+        return len(ERA5Dataset(Path(d.data_path) / "train", d.n_in_channels, tuple(d.img_size), d.dt,
+                               d.limit_nsamples))
+    except UserError:
+        return None
 
 
 def setting_values(cfg: Config, dimension: str) -> list[int]:
@@ -169,9 +215,9 @@ def tune_combination(cfg: Config, world: World, base_args: list[str], journal_pa
 
 
 def without_tuner_keys(argv: list[str]) -> list[str]:
-    """``argv`` without the tuner's own keys and ``--local_batch_size`` (``--key value`` or ``--key=value``):
-    the part of a tuner command line that ``train.py`` takes as it is."""
-    drop = {f"--{k}" for k in TUNER_ONLY + ("local_batch_size",)}
+    """``argv`` without the tuner's own keys, the simulation's and ``--local_batch_size`` (``--key value`` or
+    ``--key=value``): the part of a tuner command line that ``train.py`` takes as it is for the real job."""
+    drop = {f"--{k}" for k in TUNER_ONLY + SIMULATION_KEYS + ("local_batch_size",)}
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -197,6 +243,7 @@ def summary(result: TuneResult) -> str:
             lines.append(f"  lr {result.base_lr:.6g} -> {result.lr(name):.6g}: scaled by sqrt({choice.global_batch_size}"
                          f" / {result.base_global}), the square-root rule of the config ladder")
         lines.append("  python train.py " + " ".join(result.args[name]))
+    lines += [f"note: {note}" for note in result.notes]
     retried = [t for t in result.trials if t.alloc_retries and not t.ooms]
     if retried and result.dimension == "batch":
         lines.append(f"cudaMalloc retries from local batch {min(t.local_batch_size for t in retried)} on, "
@@ -204,14 +251,15 @@ def summary(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(result: TuneResult, out: Path) -> list[Path]:
-    """``out`` (the JSON of :func:`utils.batch_tuner.save_json`, with ``tune``: what was searched) and, for a
-    batch search, the PNG of the curve beside it; returns the files written."""
-    save_json(out, result.trials, result.choices, result.args, {"tune": result.dimension})
+def write_outputs(result: TuneResult, out: Path, extra: dict | None = None) -> list[Path]:
+    """``out`` (the JSON of :func:`utils.tuner.report.save_json`, with ``tune``: what was searched, and the keys of
+    ``extra``) and, for a batch search, the PNG of the curve beside it; returns the files written."""
+    save_json(out, result.trials, result.choices, result.args,
+              {"tune": result.dimension, "notes": result.notes, **(extra or {})})
     if result.dimension != "batch":  # settings at one global batch: the table is the picture
         return [out]
     png = out.with_suffix(".png")
-    plot(png, result.trials)
+    plot(png, result.trials, result.choices, result.budget_bytes, result.device)
     return [out, png]
 
 

@@ -1,26 +1,29 @@
-r"""Skill parity of FP8 training: does a model trained with ``--amp_mode fp8`` forecast as well as bf16?
+r"""Skill parity of the precision modes: does a model trained in bf16_pure or fp8 forecast as well as with bf16
+autocast?
 
 Trains the ``short`` config (512 training samples, 128 iterations at global batch 16: 4 epochs, each
 validated) once per precision mode and seed, every run its own ``train.py`` process (a failed run is
 reported, the others go on) on the same data, with the same speed settings for every mode: fused Adam,
 torch.compile, cuDNN attention, the native loader with 8 workers (``SPEED``). A mode is the
-``--amp_mode`` of its runs (bf16: autocast; fp8: float8 linears). On one GPU, data of the real shape:
+``--amp_mode`` of its runs (bf16: autocast; bf16_pure: autocast with a bf16 residual stream; fp8: float8
+linears); by default bf16, bf16_pure and fp8 on seeds 0 and 1. On one GPU, data of the real shape:
 
     python -m tools.make_synthetic_data --out /tmp/full --channels 20 --img_size 360 720 --train_years 4 \
         --valid_years 1 --steps_per_year 140 --workers 10 --overwrite
-    python benchmarks/fp8_parity.py --data_path /tmp/full
+    python benchmarks/precision_parity.py --data_path /tmp/full --out $OUT/h100_precision_parity.json
 
 Arguments after ``--`` go to every run after the defaults, so they override them (the last value of a
 key wins); the fp8-only keys (``--fp8_recipe``, ``--fp8_all_gather``) go to the fp8 runs only:
-``python benchmarks/fp8_parity.py --data_path /tmp/full -- --fp8_recipe rowwise``.
+``python benchmarks/precision_parity.py --data_path /tmp/full -- --fp8_recipe rowwise``.
 
 Compared per mode over the seeds (mean, sample std, min, max, spread = max - min), from each run's
 ``metrics.jsonl``: the train and valid loss after every epoch, the final valid loss and the final
-latitude-weighted RMSE of every channel (the table shows the key channels), and samples/s. Runs of one
-mode differ only by seed, so the first mode's (the reference's, bf16 by default) seed-to-seed range
-[min, max] is the noise a change of precision should stay inside: for every other mode and final metric
-the summary says whether its mean lies within that range, the relative difference of the means, and
-how far outside the range the mean lies (signed: above is worse for a loss or an RMSE).
+latitude-weighted RMSE of every channel (the table shows the key channels), and samples/s (end to end:
+these runs read data). Runs of one mode differ only by seed, so the first mode's (the reference's, bf16 by
+default) seed-to-seed range [min, max] is the noise a change of precision should stay inside: for every
+other mode and final metric the summary says whether its mean lies within that range, the relative
+difference of the means, and how far outside the range the mean lies (signed: above is worse for a loss
+or an RMSE).
 
 Prints tables and saves JSON (``--out``): the device, torch version, this command, every run (its exact
 train.py command, exit status, last-epoch record and loss curve) and the summary (:func:`summarize`).
@@ -234,11 +237,11 @@ def parser() -> ArgumentParser:
                         usage="%(prog)s [options] [-- train.py arguments]")
     ap.add_argument("--config", default="short")
     ap.add_argument("--data_path", required=True)
-    ap.add_argument("--modes", nargs="+", default=["bf16", "fp8"],
-                    help="--amp_mode of each mode's runs; the first is the reference (default: bf16 fp8)")
+    ap.add_argument("--modes", nargs="+", default=["bf16", "bf16_pure", "fp8"],
+                    help="--amp_mode of each mode's runs; the first is the reference (default: bf16 bf16_pure fp8)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="one run per mode and seed (default: 0 1)")
-    ap.add_argument("--expdir", default="/tmp/fp8_parity_runs")
-    ap.add_argument("--out", default="benchmarks/results/fp8_parity.json")
+    ap.add_argument("--expdir", default="/tmp/precision_parity_runs")
+    ap.add_argument("--out", default="benchmarks/results/precision_parity.json")
     return ap
 
 

@@ -1,0 +1,66 @@
+"""``python -m tools.torchrun``: a SIGTERMed launcher exits 75 after every worker checkpointed (what a job script
+requeues on), with no traceback; a worker killed by a signal is named in one line."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.dist_utils import subprocess_env
+from tests.jobs import RUN
+from tools.torchrun import worker_pids
+from utils.core.errors import EXIT_PREEMPTED
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(tiny_data: Path, tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tools.torchrun", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "train.py"), *RUN, "--num_iters", "100000", "--data_path", str(tiny_data),
+                             "--expdir", str(tmp_path / "runs")], cwd=ROOT, env=subprocess_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_until_training(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        if " epoch 1/" in line:  # both ranks are past start-up
+            return
+    raise AssertionError(proc.stderr.read()[-3000:])
+
+
+def test_sigterm_checkpoints_and_exits_75(tiny_data, tmp_path):
+    proc = start(tiny_data, tmp_path)
+    wait_until_training(proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "preempted by SIGUSR1 at iteration" in out and "run the same command to resume" in out, out[-3000:]
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert list((tmp_path / "runs" / "tiny" / "2CPU" / "00" / "checkpoints").glob("step_*/.metadata"))
+
+
+def test_a_signal_before_the_workers_start_waits_for_them(tiny_data, tmp_path):
+    proc = start(tiny_data, tmp_path)
+    time.sleep(0.3)  # the wrapper is importing torch: no worker exists yet
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "preempted by SIGUSR1 during start-up: nothing trained" in out, out[-3000:]
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+
+
+def test_a_worker_killed_by_a_signal_is_named(tiny_data, tmp_path):
+    proc = start(tiny_data, tmp_path)
+    wait_until_training(proc)
+    workers = sorted(worker_pids(proc.pid))
+    assert len(workers) == 2, workers
+    time.sleep(0.5)
+    subprocess.run(["kill", "-KILL", str(workers[1])], check=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert any(line.startswith("error: rank 1 was killed by SIGKILL") for line in lines), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

@@ -1,0 +1,131 @@
+"""``python -m tools.torchrun [torchrun options] train.py [options]``: torchrun whose exit status a job script can act on.
+
+    python -m tools.torchrun --standalone --nproc_per_node=4 train.py --config short
+
+Plain torchrun turns a preemption into a failure: SIGTERMed, it forwards SIGTERM, gives the workers 30 s, then
+exits 1 with a traceback; when the workers stop with the preemption status 75 after their checkpoint, it also
+exits 1 with a traceback. A job script then cannot tell "requeue me" from "I failed". This wrapper runs the same
+launcher (``torch.distributed.run``'s options and agent) in-process and:
+
+* handles SIGTERM, SIGUSR1 and Ctrl-C itself, from its first statement: each worker gets SIGUSR1 (Ctrl-C: SIGINT,
+  so a second Ctrl-C stops them at once) as soon as it catches signals (a signal that came before the workers
+  did waits for them), checkpoints at the next step boundary and exits 75, with no deadline from the launcher;
+* exits 75 when the workers stopped with 75 (every rank agrees on the step, so any 75 means the job was
+  preempted), 130 after a second Ctrl-C, else a failed worker's own status; workers print their own ``error:``
+  line, and one killed by a signal (the kernel's OOM killer, say) is named in one line here.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# the preemption signals, and what each worker is sent for them
+FORWARDED = {signal.SIGTERM: signal.SIGUSR1, signal.SIGUSR1: signal.SIGUSR1, signal.SIGINT: signal.SIGINT}
+PENDING: list[int] = []  # the signals to pass on, in the order they came
+
+
+def _record(signum: int, frame) -> None:
+    PENDING.append(FORWARDED[signal.Signals(signum)])
+
+
+for _signum in FORWARDED:  # first: a signal during start-up is kept for the workers, never the default's death
+    signal.signal(_signum, _record)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, run_cli  # noqa: E402
+
+# torchrun's agent keeps its own handlers for these only
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+FORWARD_POLL_S = 0.1
+
+
+def worker_pids(parent: int | None = None) -> list[int]:
+    """The processes whose parent is ``parent`` (default this one): the workers the agent started."""
+    parent = os.getpid() if parent is None else parent
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (``SigCgt`` of ``/proc/<pid>/status``): a worker
+    catches SIGUSR1 once ``train.py``'s first statement ran; before that, SIGUSR1 would kill it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def forward_forever() -> None:
+    """Pass every recorded signal on to every worker once it catches them, in order (two Ctrl-C stay two)."""
+    sent: dict[int, int] = {}  # worker pid -> how many of PENDING it was sent
+    while True:
+        time.sleep(FORWARD_POLL_S)
+        if not PENDING:
+            continue
+        for pid in worker_pids():
+            if sent.get(pid, 0) < len(PENDING) and catches(pid, signal.SIGUSR1):
+                for signum in PENDING[sent.get(pid, 0):]:
+                    try:
+                        os.kill(pid, signum)
+                    except ProcessLookupError:
+                        break
+                sent[pid] = len(PENDING)
+
+
+def exit_status(failures: dict) -> int:
+    """The wrapper's status from the agent's ``{rank: ProcessFailure}``: 75 when the workers were preempted,
+    130 when interrupted, else the status of the rank that failed first (1 for a worker killed by a signal; the
+    agent then SIGTERMed the others, which fail after it)."""
+    codes = {f.exitcode for f in failures.values()}
+    if EXIT_PREEMPTED in codes:
+        return EXIT_PREEMPTED
+    if EXIT_INTERRUPTED in codes:
+        return EXIT_INTERRUPTED
+    # the agent's own SIGTERM to the survivors is not the cause; the failure's timestamps are whole seconds
+    rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp, r))
+    code = failures[rank].exitcode
+    if code < 0:
+        why = " (out of host memory? see dmesg)" if code == -signal.SIGKILL else ""
+        print(f"error: rank {rank} was killed by {signal.Signals(-code).name}{why}; the other ranks were stopped",
+              file=sys.stderr, flush=True)
+        return 1
+    return code
+
+
+def launch(argv: list[str]) -> int:
+    """Parse torchrun's options, launch the workers, and map their end to this process's exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args([f"--signals_to_handle={AGENT_SIGNALS}", *argv])
+    if args.standalone:  # as torchrun does it: a one-node job on a local rendezvous
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"standalone-{os.getpid()}"
+    config, entrypoint, entry_args = config_from_args(args)
+    # the agent logs each worker's end as a failure ("failed (exitcode: 75)"): the workers and exit_status speak
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    threading.Thread(target=forward_forever, name="signal-forwarder", daemon=True).start()
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    except ChildFailedError as exc:
+        return exit_status(exc.failures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(launch))
