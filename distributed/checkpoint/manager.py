@@ -122,14 +122,14 @@ class CheckpointManager(Component):
     def _stop(self, state) -> None:
         """Checkpoint this step (unless just done or checkpoints are off), wait until it is committed, and raise
         Preempted."""
-        saved = "no checkpoint written (--save_checkpoint false): the run cannot continue"
+        saved, then = "no checkpoint written (--save_checkpoint false)", "the run cannot continue"
         if self.cfg.save_checkpoint:
             if self.saved_step != state.step:
                 self.save(state)
             self.sharded.wait()
-            saved = f"checkpoint {self.latest()} written; run the same command to resume"
+            saved, then = f"checkpoint {self.latest()} written", "run the same command to resume"
         message = ""
         if self.world.is_main:  # one line for the job
             message = (f"preempted by {signal_name(state.stop_signal)} at iteration {state.step}: {saved}; exit "
-                       f"status {EXIT_PREEMPTED}")
+                       f"status {EXIT_PREEMPTED}; {then}")
         raise Preempted(message)

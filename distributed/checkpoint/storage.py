@@ -16,6 +16,7 @@ import io
 import pickle
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -295,9 +296,16 @@ def write_hashed(path: Path, obj: Any) -> str:
 
 def mismatched_file(folder: Path, manifest: dict[str, str], rank: int = 0, ranks: int = 1) -> str | None:
     """The first of this rank's share (``rank``-th of every ``ranks``) of ``manifest``'s files that is missing or
-    differs from its checksum, as a message; None when all match."""
-    for name in sorted(manifest)[rank::ranks]:
+    differs from its checksum, as a message; None when all match. The files are hashed by WRITE_THREADS
+    threads, as they were written (hashlib releases the GIL on large buffers)."""
+    def matches(name: str) -> bool:
         path = Path(folder) / name
-        if not path.is_file() or file_digest(path) != manifest[name]:
-            return f"{path} does not match its checksum in {CHECKSUMS} (changed or damaged after it was written)"
+        return path.is_file() and file_digest(path) == manifest[name]
+
+    names = sorted(manifest)[rank::ranks]
+    with ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="checkpoint-verify") as pool:
+        for name, ok in zip(names, pool.map(matches, names)):
+            if not ok:
+                return (f"{Path(folder) / name} does not match its checksum in {CHECKSUMS} (changed or damaged "
+                        "after it was written)")
     return None

@@ -175,7 +175,7 @@ def test_one_process_round_trip(tmp_path):
     round_trip(0, 1, str(tmp_path), "none")
     folder = tmp_path / "step_00000003"
     assert (tmp_path / LATEST).read_text().strip() == folder.name
-    assert checkpoint_files(folder) == [".metadata", "__0.distcp", "rank0.pt"]
+    assert checkpoint_files(folder) == [".metadata", "__0.distcp", "checksums.json", "rank0.pt"]
 
 
 def ddp_round_trip_then_broken_rank_file(rank: int, world_size: int, directory: str) -> None:
@@ -232,7 +232,7 @@ def fsdp_checkpoint(tmp_path_factory) -> Path:
 def test_fsdp_round_trip_sync_and_async(fsdp_checkpoint):
     assert (fsdp_checkpoint / "sync" / LATEST).read_text().strip() == "step_00000003"
     assert checkpoint_files(fsdp_checkpoint / "step_00000003") == [
-        ".metadata", "__0.distcp", "__1.distcp", "rank0.pt", "rank1.pt"]
+        ".metadata", "__0.distcp", "__1.distcp", "checksums.json", "rank0.pt", "rank1.pt"]
 
 
 def test_fsdp_checkpoint_loads_on_one_process(fsdp_checkpoint):
@@ -306,7 +306,7 @@ def test_interrupted_save_leaves_latest_and_is_cleaned(tmp_path, monkeypatch):
     assert_same(snapshot(fresh), want)
     train(fresh, 1)
     fresh.manager.save(2)  # the same step again: the leftover folder is replaced, not mixed in
-    assert checkpoint_files(interrupted) == [".metadata", "__0.distcp", "rank0.pt"]
+    assert checkpoint_files(interrupted) == [".metadata", "__0.distcp", "checksums.json", "rank0.pt"]
     assert (tmp_path / LATEST).read_text().strip() == "step_00000002"
     (tmp_path / "step_00000007").mkdir()  # an interrupted save of a timeline this run abandoned
     train(fresh, 1)
