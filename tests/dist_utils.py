@@ -1,15 +1,19 @@
-"""Run a test function on N CPU processes over gloo (torch.multiprocessing spawn)."""
+"""Run a test function on N CPU processes over gloo, and entry points as users run them.
+
+Both fork from the server of ``tests/forked.py``, which has torch imported: a spawned process would import
+it again, seconds of CPU per rank on the 2-core CI machine."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
-import sys
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.forked import Forked, context
 
 
 def free_port() -> int:
@@ -36,13 +40,13 @@ def _worker(rank: int, world_size: int, port: int, fn, args, errq) -> None:
 def run_distributed(fn, world_size: int, *args) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure.
 
-    ``fn`` must be importable (module level) because the workers are spawned.
+    ``fn`` must be importable (module level): the workers get it by reference. They are forked from
+    the fork server of ``tests/forked.py``; their environment is the fork server's, from its start.
     """
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
+    errq = context().SimpleQueue()
     try:
         mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errq), nprocs=world_size,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
     except Exception as exc:
         msg = errq.get() if not errq.empty() else str(exc)
         raise AssertionError(msg) from None
@@ -63,12 +67,7 @@ def launch_entry(script, args: list[str], cwd, ranks: int = 1) -> list[subproces
     """``python script args`` as a user runs it: one plain process, or ``ranks`` processes with the
     variables torchrun sets (gloo on the CPU). Returns each process's result, rank order."""
     launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE,
-                              env=subprocess_env(**launch, **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
+    procs = [Forked([str(script), *args], cwd,
+                    subprocess_env(**launch, **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
              for r in range(ranks)]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    return out
+    return [proc.wait(300) for proc in procs]

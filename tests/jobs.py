@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.dist_utils import free_port, subprocess_env
+from tests.forked import Forked
 
 ROOT = Path(__file__).resolve().parents[1]
 # tiny on 64 samples: 8 steps per epoch at global batch 8, checkpoints every 5 steps
@@ -19,30 +20,38 @@ RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--lim
        "--checkpoint_every_steps", "5", "--log_every", "1000"]
 
 
-def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
-              entry: list[str] | None = None, run_args: list[str] = RUN, **env: str) -> list[subprocess.Popen]:
-    """Start ``train.py run_args + args`` (``RUN`` by default) on ``ranks`` processes (RANK/WORLD_SIZE variables),
-    writing runs under ``workdir/runs``. ``signal_at``: each process signals itself after that optimizer step
-    (``tests/kill_at_step.py``; SIGKILL unless ``KILL_SIGNAL`` in ``env`` names another). ``entry``:
-    another script (and its own arguments) in place of ``train.py``."""
+def _job_command(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None,
+                 entry: list[str] | None, run_args: list[str], env: dict[str, str]) -> tuple[list[str], list[dict]]:
+    """The command (without the interpreter) and each rank's environment of a job."""
     if entry is None:
         entry = [str(ROOT / "tests" / "kill_at_step.py"), str(signal_at)] if signal_at else [str(ROOT / "train.py")]
     launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                                     "MASTER_PORT": str(free_port())}
     workdir.mkdir(exist_ok=True)
-    command = [sys.executable, *entry, *run_args, "--data_path", str(data), "--expdir", str(workdir / "runs"), *args]
-    return [subprocess.Popen(command, cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=subprocess_env(**launch, **env,
-                                                **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {})))
-            for r in range(ranks)]
+    command = [*entry, *run_args, "--data_path", str(data), "--expdir", str(workdir / "runs"), *args]
+    return command, [subprocess_env(**launch, **env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {}))
+                     for r in range(ranks)]
+
+
+def start_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
+              entry: list[str] | None = None, run_args: list[str] = RUN, **env: str) -> list[subprocess.Popen]:
+    """Start ``train.py run_args + args`` (``RUN`` by default) on ``ranks`` processes (RANK/WORLD_SIZE variables),
+    writing runs under ``workdir/runs``: fresh interpreters, for tests that signal them while they run.
+    ``signal_at``: each process signals itself after that optimizer step (``tests/kill_at_step.py``; SIGKILL
+    unless ``KILL_SIGNAL`` in ``env`` names another). ``entry``: another script (and its own arguments) in
+    place of ``train.py``."""
+    command, envs = _job_command(workdir, data, args, ranks, signal_at, entry, run_args, env)
+    return [subprocess.Popen([sys.executable, *command], cwd=workdir, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=rank_env) for rank_env in envs]
 
 
 def run_job(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None = None,
             entry: list[str] | None = None, run_args: list[str] = RUN, **env: str) -> list[tuple[int, str, str]]:
-    """:func:`start_job` and wait: ``(exit status, stdout, stderr)`` of every rank."""
-    procs = start_job(workdir, data, args, ranks, signal_at, entry, run_args, **env)
-    outputs = [p.communicate(timeout=600) for p in procs]
-    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
+    """The job of :func:`start_job`, forked (``tests/forked.py``), and waited for: ``(exit status, stdout,
+    stderr)`` of every rank."""
+    command, envs = _job_command(workdir, data, args, ranks, signal_at, entry, run_args, env)
+    procs = [Forked(command, workdir, rank_env) for rank_env in envs]
+    return [(done.returncode, done.stdout, done.stderr) for done in (p.wait(600) for p in procs)]
 
 
 _REFERENCES: dict[tuple, tuple[Path, Future]] = {}

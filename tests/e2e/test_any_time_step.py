@@ -6,8 +6,6 @@ samples across the file boundaries as the native one."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import cftime
@@ -18,6 +16,7 @@ import torch
 import xarray as xr
 
 from tests.dist_utils import launch_entry, subprocess_env
+from tests.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 GRID = (16, 32)
@@ -55,10 +54,9 @@ def converted(request, tmp_path_factory) -> tuple[str, Path]:
     calendar, times, valid_start, _, _ = CASES[name]
     work = tmp_path_factory.mktemp(name)
     climate_model_output(times, calendar).to_netcdf(work / f"{name}.nc")
-    proc = subprocess.run([sys.executable, "-m", "tools.convert_era5", "--input", str(work / f"{name}.nc"), "--out",
-                           str(work / "data"), "--variables", *VARIABLES, "--valid_start", valid_start,
-                           "--trim_to_multiple", "4"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_forked(["-m", "tools.convert_era5", "--input", str(work / f"{name}.nc"), "--out", str(work / "data"),
+                       "--variables", *VARIABLES, "--valid_start", valid_start, "--trim_to_multiple", "4"], ROOT,
+                      subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return name, work / "data"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.dist_utils import free_port, launch_entry, subprocess_env
+from tests.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -271,9 +271,8 @@ CASES = [
 
 def run_entry(entry: str, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``train.py``-style scripts or ``tools.*`` modules as a user would."""
-    cmd = [sys.executable, str(ROOT / entry)] if entry.endswith(".py") else [sys.executable, "-m", entry]
-    return subprocess.run([*cmd, *args], cwd=cwd, env=subprocess_env(**(env or {})), capture_output=True, text=True,
-                          timeout=300)
+    cmd = [str(ROOT / entry)] if entry.endswith(".py") else ["-m", entry]
+    return run_forked([*cmd, *args], cwd, subprocess_env(**(env or {})))
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, needles: list[str]) -> None:

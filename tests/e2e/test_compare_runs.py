@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import subprocess_env
+from tests.forked import run_forked
 from tools.compare_runs import main
 from utils.monitor.compare import default_out, differing_keys, legend_labels, load_runs
 
@@ -219,10 +221,9 @@ def test_runs_across_configs_world_sizes_and_unfinished(tmp_path, capsys):
 
 
 def test_runs_as_a_module(expdir, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "tools.compare_runs", str(expdir / "tiny" / "1GPU" / "00"),
-                          str(expdir / "tiny" / "2GPU" / "00"), "--out", str(tmp_path / "plots"),
-                          "--channels", "u10m"],  # fewer plots: faster
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    res = run_forked(["-m", "tools.compare_runs", str(expdir / "tiny" / "1GPU" / "00"),
+                      str(expdir / "tiny" / "2GPU" / "00"), "--out", str(tmp_path / "plots"),
+                      "--channels", "u10m"], ROOT, subprocess_env())  # fewer plots: faster
     assert res.returncode == 0, res.stderr
     header, rows = parse_table(res.stdout)
     assert list(rows) == ["1GPU/00", "2GPU/00"] and header[1] == "world_size" and "lr" not in header
@@ -301,8 +302,7 @@ def test_errors_are_one_line(case, expdir, tmp_path):
     args, message = ERRORS[case](expdir)
     if "--out" not in args:
         args += ["--out", str(tmp_path / "plots")]
-    res = subprocess.run([sys.executable, "-m", "tools.compare_runs", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    res = run_forked(["-m", "tools.compare_runs", *args], ROOT, subprocess_env())
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr

@@ -20,6 +20,7 @@ import torch
 import xarray as xr
 
 from tests.dist_utils import launch_entry, subprocess_env
+from tests.forked import run_forked
 from tests.jobs import reference_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,8 +138,8 @@ def test_relative_data_path_resolves_against_the_repository(run, tmp_path, monke
 
 
 def test_the_python_example_runs_and_plots(run, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "forecast_from_python.py"), "--run_dir",
-                           str(run), "--lead_steps", "3", "--channel", "t2m", "--out", str(tmp_path / "f.png")],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = run_forked([str(ROOT / "docs" / "examples" / "forecast_from_python.py"), "--run_dir", str(run),
+                       "--lead_steps", "3", "--channel", "t2m", "--out", str(tmp_path / "f.png")], tmp_path,
+                      subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote" in proc.stdout and (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

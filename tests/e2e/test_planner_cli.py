@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.dist_utils import launch_entry, subprocess_env
+from tests.forked import run_forked
 from tests.jobs import ROOT, run_job, run_path, run_record
 from utils.config.cli import cli_config
 from utils.train.step import count_parameters
@@ -117,9 +116,8 @@ def test_planner_search_recovers_from_an_oom_in_its_one_process(tiny_data, tmp_p
     (["--simulate_world_size", "4", "--amp_mode", "fp8"], {}, "the dry run (no GPU) cannot step --amp_mode fp8"),
 ])
 def test_bad_simulation_inputs_are_one_line_errors(tmp_path, args, env, message):
-    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "tiny", "--expdir",
-                           str(tmp_path / "runs"), *args], cwd=tmp_path, text=True, capture_output=True,
-                          env=subprocess_env(**env), timeout=300)
+    done = run_forked([str(ROOT / "train.py"), "--config", "tiny", "--expdir", str(tmp_path / "runs"), *args],
+                      tmp_path, subprocess_env(**env))
     assert done.returncode == 2
     assert re.fullmatch(r"error: .*\n", done.stderr) and message in done.stderr, done.stderr
     assert not (tmp_path / "runs").exists()

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from tests.dist_utils import free_port, subprocess_env
+from tests.forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
@@ -82,8 +83,8 @@ def test_hparams_entries_read_back_from_the_event_files(four_runs):
 def test_compare_runs_table_json_and_plots(four_runs):
     tmp, runs = four_runs
     out = tmp / "plots"
-    proc = subprocess.run([sys.executable, "-m", "tools.compare_runs", "--expdir", str(tmp / "runs"),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_forked(["-m", "tools.compare_runs", "--expdir", str(tmp / "runs"), "--out", str(out)], ROOT,
+                      subprocess_env())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header = lines[0] + lines[1]  # two header rows
@@ -91,9 +92,8 @@ def test_compare_runs_table_json_and_plots(four_runs):
     assert [line.split()[0] for line in lines[2:6]] == ["1CPU/00", "1CPU/01", "2CPU/00", "2CPU/01"]
     for name in ("valid_loss.png", "rmse_u10m.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    data = json.loads(subprocess.run([sys.executable, "-m", "tools.compare_runs", *map(str, runs), "--json",
-                                      "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                                     timeout=120).stdout)
+    data = json.loads(run_forked(["-m", "tools.compare_runs", *map(str, runs), "--json", "--out", str(out)], ROOT,
+                                 subprocess_env()).stdout)
     assert set(data["differing_keys"]) >= {"lr", "world_size"}
     last = [json.loads(line) for line in (runs[3] / "metrics.jsonl").read_text().splitlines()][-1]
     row = data["runs"][3]

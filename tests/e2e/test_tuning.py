@@ -8,16 +8,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import subprocess_env
+from tests.forked import run_forked
 from tests.jobs import ROOT, run_job, run_path, run_record
 from utils.config.cli import cli_config
-from utils.core.errors import EXIT_OUT_OF_MEMORY, UserError
 from utils.config.validate import Launch, validate
-from utils.tuner.tune import (TUNE_FILE, accumulated_batches, journal_path, setting_args, setting_values, with_setting, without_tuner_keys)
+from utils.core.errors import EXIT_OUT_OF_MEMORY, UserError
+from utils.tuner.tune import (
+    TUNE_FILE,
+    accumulated_batches,
+    journal_path,
+    setting_args,
+    setting_values,
+    with_setting,
+    without_tuner_keys,
+)
 
 TOOL = ["-m", "tools.tune_batch_size"]
 # one warm-up and one timed step per trial: the tests check the search and the records, not the speed
@@ -66,9 +75,8 @@ def test_tool_keeps_to_the_memory_budget_and_its_arguments_train(tiny_data, tmp_
     scaled = ["--lr", f"{base.lr * (batch / 8) ** 0.5:.6g}", "--num_iters", str(max(1, round(24 * 8 / batch)))]
     tail = ["--local_batch_size", str(batch)] + ([] if batch == 8 else scaled)  # as many samples as 24 steps at 8
     assert args[-len(tail):] == tail
-    train = subprocess.run([sys.executable, str(ROOT / "train.py"), *choice["args"], "--num_iters", "2",
-                            "--expdir", str(tmp_path / "runs")], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
+    train = run_forked([str(ROOT / "train.py"), *choice["args"], "--num_iters", "2", "--expdir", str(tmp_path / "runs")],
+                       tmp_path, subprocess_env())
     assert train.returncode == 0, train.stderr
     assert f"local batch {choice['local_batch_size']}, global batch" in train.stdout
 
@@ -84,9 +92,8 @@ def test_tune_ac_blocks_keeps_the_global_batch_and_its_arguments_train(tiny_data
     args = result["choice"]["max-throughput"]["args"]
     assert args[-6:] == ["--local_batch_size", "32", "--activation_checkpointing", "none", "--grad_accum_steps", "1"]
     assert "max-throughput: local batch 32 (global 32), ac_blocks 0" in stdout
-    train = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--num_iters", "2",
-                            "--expdir", str(tmp_path / "runs")], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
+    train = run_forked([str(ROOT / "train.py"), *args, "--num_iters", "2", "--expdir", str(tmp_path / "runs")],
+                       tmp_path, subprocess_env())
     assert train.returncode == 0, train.stderr
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import subprocess_env
+from tests.forked import run_forked
 from tests.jobs import RUN, reference_run, run_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,8 +70,7 @@ def test_a_crafted_checkpoint_is_refused_without_running_code(tiny_data, tmp_pat
         home.mkdir(parents=True)
         run = Path(shutil.move(run, home / "00"))
         crafted = run / crafted.relative_to(crafted.parents[2])
-    proc = subprocess.run(command(tiny_data, tmp_path, run, which), cwd=ROOT, env=subprocess_env(), text=True,
-                          capture_output=True, timeout=300)
+    proc = run_forked(command(tiny_data, tmp_path, run, which)[1:], ROOT, subprocess_env())
     assert not marker.exists()
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
@@ -88,8 +87,7 @@ def test_a_flipped_byte_is_named(tiny_data, tmp_path, tmp_path_factory, which):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    proc = subprocess.run(command(tiny_data, tmp_path, run, which), cwd=ROOT, env=subprocess_env(), text=True,
-                          capture_output=True, timeout=300)
+    proc = run_forked(command(tiny_data, tmp_path, run, which)[1:], ROOT, subprocess_env())
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"error: checkpoint {shard} does not match its checksum" in proc.stderr, proc.stderr[-3000:]
 
@@ -98,8 +96,7 @@ def test_resume_target_of_another_model_is_refused_before_the_run_directory(tiny
     source = reference_run(tmp_path_factory, tiny_data, [], 1)() / "checkpoints"
     train = [sys.executable, str(ROOT / "train.py"), *RUN, "--data_path", str(tiny_data), "--expdir",
              str(tmp_path / "new"), "--resume", str(source)]
-    proc = subprocess.run([*train, "--embed_dim", "32"], cwd=ROOT, env=subprocess_env(), text=True,
-                          capture_output=True, timeout=300)
+    proc = run_forked([*train[1:], "--embed_dim", "32"], ROOT, subprocess_env())
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: checkpoint {source / 'step_00000024'} does not fit this config's model: "
                                   "pos_embed is "), proc.stderr[-3000:]

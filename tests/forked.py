@@ -1,0 +1,112 @@
+"""Run an entry point as a real process forked from a server that already imported torch and the project.
+
+A fresh ``python train.py`` spends about 2.5 s of CPU importing torch and the project before it reads its
+first argument; the suite starts hundreds of them, and the CI machine has 2 cores. multiprocessing's fork
+server imports :data:`PRELOAD` once, runs nothing else (no thread pool to copy), and forks a process per
+call. The child takes the command's working directory, environment, ``sys.argv`` and ``sys.path[0]``, writes
+its stdout and stderr to files, runs the script or module as ``__main__`` (``runpy``), runs the ``atexit``
+functions and exits with the script's status: what the tests read of a process (status, output, files,
+signals) is that of ``python script args``. Commands that need a live ``Popen`` (signals sent during the run)
+still start a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+# what an entry point imports on its way to its first step; the fork server imports them once
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "h5py",
+           "tests.dist_utils", "networks.vit", "distributed.world", "utils.train.trainer", "utils.config.cli"]
+
+
+def context():
+    """multiprocessing's fork-server context, with :data:`PRELOAD` (the server starts at its first use)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _exit_code(code) -> int:
+    """``SystemExit.code`` as the interpreter turns it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run(command: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """The child: become ``python *command`` in ``cwd`` with ``env``, then exit with its status."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    import torch
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    status = 0
+    try:
+        if command[0] == "-c":
+            sys.argv = ["-c", *command[2:]]
+            sys.path.insert(0, cwd)
+            exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            sys.path.insert(0, cwd)
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(command)
+            sys.path.insert(0, str(Path(command[0]).resolve().parent))
+            runpy.run_path(command[0], run_name="__main__")
+    except SystemExit as exc:
+        status = _exit_code(exc.code)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+class Forked:
+    """One forked ``python *command``, started at once: :meth:`wait` gives its ``CompletedProcess``."""
+
+    def __init__(self, command: list[str], cwd, env: dict[str, str]):
+        self.command = command
+        self._dir = tempfile.TemporaryDirectory(prefix="forked-")
+        self._out, self._err = Path(self._dir.name, "out"), Path(self._dir.name, "err")
+        self.process = context().Process(target=_run, args=(command, str(cwd), env, str(self._out), str(self._err)))
+        self.process.start()
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Wait for the process (killing it after ``timeout`` seconds: ``subprocess.TimeoutExpired``)."""
+        self.process.join(timeout)
+        try:
+            if self.process.exitcode is None:
+                self.process.kill()
+                self.process.join()
+                raise subprocess.TimeoutExpired(self.command, timeout, self._out.read_text(), self._err.read_text())
+            return subprocess.CompletedProcess([sys.executable, *self.command], self.process.exitcode,
+                                               self._out.read_text(errors="replace"),
+                                               self._err.read_text(errors="replace"))
+        finally:
+            self._dir.cleanup()
+
+
+def run_forked(command: list[str], cwd, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *command], cwd=cwd, env=env, capture_output=True, text=True)``, forked."""
+    return Forked(command, cwd, env).wait(timeout)
