@@ -18,6 +18,7 @@ rewritten after each part, so a run stopped at a time limit keeps what it measur
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -94,6 +95,7 @@ def zero3_shards(config: str, sizes: tuple[int, ...]) -> list[dict]:
                           str(n), "--simulate_rank", str(rank), "--local_batch_size", "1"], "tiny")
         world = init_distributed(cfg.parallel, LaunchEnv())
         try:
+            gc.collect()  # the previous rank's step (held in a cycle by its optimizer hook) is freed now, not mid-build
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
             step = build_training_step(cfg, world)

@@ -5,7 +5,7 @@ Usage in a training loop (``mesh`` built elsewhere with dims named ``tp``, ``cp`
     model = VisionTransformer(...)                       # same seed on every rank
     apply_tensor_context_parallel(model, mesh["tp"], mesh["cp"].get_group())
     # data parallelism over the joint dp x cp mesh sums the CP parts of every gradient
-    # (distributed/parallelize.py: FSDP or replicate, gradient divide factor dp)
+    # (distributed/parallelize.py: FSDP or replicate; the step scales the loss gradient by cp)
     opt = torch.optim.AdamW(model.parameters())          # build AFTER the conversion
     out = model(inp)                  # (B, C_out, H, W), full and identical on every tp/cp rank
 

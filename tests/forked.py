@@ -16,9 +16,11 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -44,15 +46,20 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _run(command: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
-    """The child: become ``python *command`` in ``cwd`` with ``env``, then exit with its status."""
+def _run(command: list[str], cwd: str, env: dict[str, str], out, err) -> None:
+    """The child: become ``python *command`` in ``cwd`` with ``env``, its stdout and stderr going to ``out`` and
+    ``err`` (file paths, or the write ends of pipes as ``Connection`` objects), then exit with its status."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
+    for fd, target in ((1, out), (2, err)):
+        if isinstance(target, str):
+            opened = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(opened, fd)
+            os.close(opened)
+        else:
+            os.dup2(target.fileno(), fd)
+            target.close()
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     status = 0
@@ -105,6 +112,57 @@ class Forked:
                                                self._err.read_text(errors="replace"))
         finally:
             self._dir.cleanup()
+
+
+class ForkedPopen:
+    """A ``subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)`` look-alike for a forked ``python
+    *command``, for tests that signal a process while it runs: ``pid``, ``stdout``/``stderr`` (text streams),
+    ``send_signal``, ``kill``, ``poll``, ``wait``, ``communicate``, ``returncode``. The process is a child of
+    the fork server, not of the test."""
+
+    def __init__(self, command: list[str], cwd, env: dict[str, str]):
+        self.args = [sys.executable, *command]
+        ends = [multiprocessing.Pipe(duplex=False) for _ in range(2)]  # (read, write) Connections
+        self.process = context().Process(target=_run, args=(command, str(cwd), env, ends[0][1], ends[1][1]))
+        self.process.start()
+        for _, write in ends:
+            write.close()
+        self.stdout, self.stderr = (os.fdopen(os.dup(read.fileno()), "r", errors="replace") for read, _ in ends)
+        for read, _ in ends:
+            read.close()
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """The rest of stdout and stderr once the process has exited (read by threads, so neither pipe fills)."""
+        texts: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda n=name, f=stream: texts.__setitem__(n, f.read()), daemon=True)
+                   for name, stream in (("out", self.stdout), ("err", self.stderr))]
+        for reader in readers:
+            reader.start()
+        self.wait(timeout)
+        for reader in readers:
+            reader.join()
+        return texts["out"], texts["err"]
 
 
 def run_forked(command: list[str], cwd, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

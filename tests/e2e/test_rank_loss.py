@@ -10,7 +10,6 @@ Run as a script, ``python tests/e2e/test_rank_loss.py`` is one rank (``RANK``, `
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,12 +45,13 @@ def run_rank() -> None:
     sys.exit(run_cli(loop))
 
 
-def start_ranks(world_size: int) -> list[subprocess.Popen]:
+def start_ranks(world_size: int) -> list:
+    """``python tests/e2e/test_rank_loss.py`` once per rank, forked (``tests/forked.py``): real processes,
+    without the seconds of importing torch in each."""
     from tests.dist_utils import free_port, subprocess_env
+    from tests.forked import ForkedPopen
     env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size))
-    return [subprocess.Popen([sys.executable, __file__], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-            for r in range(world_size)]
+    return [ForkedPopen([__file__], ROOT, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world_size)]
 
 
 CASES = [(world, victim, sig) for world in (2, 3) for victim in range(world) for sig in ("STOP", "KILL")]

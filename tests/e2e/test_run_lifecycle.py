@@ -55,8 +55,8 @@ def test_ctrl_c_saves_then_the_same_command_equals_uninterrupted(tiny_data, tmp_
     whole = reference_run(tmp_path_factory, tiny_data, [], 1)
     [(status, out, err)] = run_job(tmp_path, tiny_data, [], 1, signal_at=13, KILL_SIGNAL="INT")
     assert status == EXIT_PREEMPTED, err[-3000:]
-    stopped = re.search(r"preempted by SIGINT at iteration (\d+): checkpoint .* written; run the same command to "
-                        "resume", out)
+    stopped = re.search(r"preempted by SIGINT at iteration (\d+): checkpoint .* written; exit status 75; run the same "
+                        "command to resume", out)
     assert stopped and 13 <= int(stopped.group(1)) <= 15, out[-3000:]  # at the next step boundary all agree on
     assert hparams_status(run_path(tmp_path, 1)) == "STATUS_RUNNING"  # preempted: it goes on when run again
     [(status, _, err)] = run_job(tmp_path, tiny_data, [], 1)

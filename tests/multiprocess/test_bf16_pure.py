@@ -84,7 +84,7 @@ def test_trains_as_bf16_autocast_does(tiny_data, tmp_path):
 
 
 def _train_on_ranks(rank: int, world_size: int, data_path: str, expdir: str, overrides: dict) -> None:
-    """run_distributed target: bf16_pure under DDP or FSDP; the block outputs are bf16 on every rank."""
+    """run_distributed target: bf16_pure under DDP, FSDP or tp; the block outputs are bf16 on every rank."""
     cfg = tiny_params(data_path, expdir, **overrides)
     world = init_distributed(cfg.parallel)
     trainer = Trainer(cfg, world)
@@ -102,13 +102,14 @@ def single(tiny_data, tmp_path_factory):
     return train_checkpoint(tiny_params(tiny_data, tmp_path_factory.mktemp("single"), amp_mode="bf16_pure", **STEPS))
 
 
-@pytest.mark.parametrize("fsdp", ["none", "zero2"])
-def test_ddp_and_fsdp_match_one_process(tiny_data, tmp_path, single, fsdp):
-    """DDP (fp32 parameters, the pre-hook's cast) and FSDP2 (bf16 parameters from its policy) train as one process
-    does: the weights differ from its weights by a small part of how far training moved them (bf16 rounding of
-    the half batches' activations; FSDP also rounds the LayerNorm weights and position embedding)."""
-    run_distributed(_train_on_ranks, 2, str(tiny_data), str(tmp_path),
-                    {**STEPS, "amp_mode": "bf16_pure", "fsdp": fsdp})
+@pytest.mark.parametrize("overrides", [{"fsdp": "none"}, {"fsdp": "zero2"}, {"tensor_parallel": 2}],
+                         ids=["DDP", "FSDP", "tp 2"])
+def test_ddp_fsdp_and_tp_match_one_process(tiny_data, tmp_path, single, overrides):
+    """DDP (fp32 parameters, the pre-hook's cast), FSDP2 (bf16 parameters from its policy) and tensor parallelism
+    (the mp configs inherit bf16_pure from opt) train as one process does: the weights differ from its weights
+    by a small part of how far training moved them (bf16 rounding of the half batches' activations, or of the
+    partial sums of the row-parallel layers; FSDP also rounds the LayerNorm weights and position embedding)."""
+    run_distributed(_train_on_ranks, 2, str(tiny_data), str(tmp_path), {**STEPS, "amp_mode": "bf16_pure", **overrides})
     got = torch.load(tmp_path / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt")["model"]
     cfg = tiny_params(tiny_data, tmp_path)
     torch.manual_seed(cfg.optim.seed)

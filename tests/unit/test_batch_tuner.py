@@ -16,7 +16,7 @@ from distributed.launch import LaunchEnv
 from distributed.world import World
 from tests.dist_utils import run_distributed
 from utils.tuner.report import plot, report_table, save_json
-from utils.tuner.tune import short_epochs
+from utils.tuner.tune import short_epochs, short_runs
 from utils.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_args, choose, combine, scaled_lr, search
 from utils.config.cli import cli_config
 from utils.config.loading import load_config
@@ -175,6 +175,12 @@ def test_a_choice_that_leaves_epochs_of_few_steps_says_so():
     notes = short_epochs(cfg, {"max-throughput": Trial(256, 256), "min-batch-at-peak": Trial(64, 64)})
     assert notes == ["max-throughput: global batch 256 leaves 1 step(s) per epoch of 504 training samples (248 "
                      "unused each epoch); train on more samples, or pass a smaller --local_batch_size"]
+
+
+def test_a_command_scaled_to_a_few_steps_says_so():
+    notes = short_runs(128, 16, {"max-throughput": Trial(512, 8192), "min-batch-at-peak": Trial(32, 512)})
+    assert notes == ["max-throughput: the config's 128 iterations at global batch 16 are 1 step(s) at global batch "
+                     "8192; pass a larger --num_iters for a real run"]  # 128 x 16 / 512 = 4 steps: no note
 
 
 def test_report_table_json_and_png(tmp_path):

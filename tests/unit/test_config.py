@@ -85,7 +85,7 @@ def test_short_configs():
     assert (short_opt.limit_nsamples, short_opt.limit_nsamples_val, short_opt.num_iters) == (512, 128, 128)
     for p in (short_opt, load("opt")):
         assert p.data_loader_config == "dali"
-        assert p.amp_mode == "bf16"
+        assert p.amp_mode == "bf16_pure"
         assert p.enable_fused is True and p.enable_jit is True
         assert p.num_data_workers == 8
     assert load("opt").num_iters == 30000
@@ -98,7 +98,7 @@ def test_batch_size_ladder(n):
     assert p.lr == pytest.approx(5e-4 * math.sqrt(n / 16), rel=0.01)
     # same number of samples seen (same epochs): iterations scale as 16 / N
     assert p.num_iters * n == pytest.approx(30000 * 16, rel=0.01)
-    assert p.amp_mode == "bf16" and p.data_loader_config == "dali"
+    assert p.amp_mode == "bf16_pure" and p.data_loader_config == "dali"
 
 
 def vit_param_count(p) -> int:
@@ -142,7 +142,7 @@ def test_vit_2b_size():
 def test_mp_config():
     p = load("mp")
     assert p.embed_dim == 1024 and p.num_heads == 8
-    assert p.amp_mode == "bf16"  # from opt
+    assert p.amp_mode == "bf16_pure"  # from opt
 
 
 def test_tiny_and_sample_configs():

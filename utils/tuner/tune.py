@@ -18,7 +18,7 @@ from utils.config.validate import batch_sizes
 from utils.core.errors import UserError
 from utils.data.dataset import ERA5Dataset
 from utils.tuner.report import plot, report_table, save_json
-from utils.tuner.search import OBJECTIVES, Trial, choice_args, choose, combine, search
+from utils.tuner.search import OBJECTIVES, Trial, choice_args, choose, combine, scaled_iterations, search
 from utils.tuner.trials import BatchTrials, Journal
 
 TUNE_FILE = "tune_batch_size.json"  # the tuner's JSON; also in the run directory of --local_batch_size auto
@@ -100,7 +100,8 @@ def tune(cfg: Config, world: World, base_args: list[str], journal_path: Path, qu
     args = {name: choice_args(choice, base_args, cfg.optim.lr, base, cfg.optim.num_iters)
             for name, choice in choices.items()}
     journal.remove()
-    return TuneResult(trials, choices, args, base, cfg.optim.lr, notes=short_epochs(cfg, choices),
+    notes = short_epochs(cfg, choices) + short_runs(cfg.optim.num_iters, base, choices)
+    return TuneResult(trials, choices, args, base, cfg.optim.lr, notes=notes,
                       budget_bytes=runner.budget, device=world.device.type)
 
 
@@ -119,6 +120,19 @@ def short_epochs(cfg: Config, choices: dict[str, Trial]) -> list[str]:
             notes.append(f"{name}: global batch {choice.global_batch_size} leaves {steps} step(s) per epoch of "
                          f"{samples} training samples ({samples - steps * choice.global_batch_size} unused each "
                          f"epoch); train on more samples, or pass a smaller --local_batch_size")
+    return notes
+
+
+def short_runs(num_iters: int, base_global: int, choices: dict[str, Trial]) -> list[str]:
+    """Notes for the choices whose command, scaled to the config's samples, trains fewer than
+    :data:`MIN_EPOCH_STEPS` steps: a benchmark config's few iterations at a large global batch."""
+    notes = []
+    for name, choice in choices.items():
+        steps = scaled_iterations(num_iters, base_global, choice.global_batch_size)
+        if steps < MIN_EPOCH_STEPS:
+            notes.append(f"{name}: the config's {num_iters} iterations at global batch {base_global} are "
+                         f"{steps} step(s) at global batch {choice.global_batch_size}; pass a larger --num_iters "
+                         "for a real run")
     return notes
 
 
