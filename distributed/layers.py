@@ -148,7 +148,9 @@ class DistributedMatmul(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, -1, self.groups.tp)
         y = reduce_from_parallel_region(F.linear(x, weight.reshape(self.out_features, -1)), self.groups.tp)
-        return y if self.bias is None else y + local_tensor(self.bias)
+        # the bias in the dtype of y, as F.linear adds it under autocast: an fp32 bias would promote a bf16
+        # output (and with it the residual stream of --amp_mode bf16_pure) to fp32
+        return y if self.bias is None else y + local_tensor(self.bias).to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, parallel={self.parallel}, "
