@@ -7,7 +7,7 @@
     sbatch submit_pm.sh --config=short
 
 Order: parse the config, validate it against the launch (world size, GPU and its compute capability),
-join the other ranks, then train (``utils/train/trainer.py``). Nothing is written to disk before the config,
+join the other ranks, then train (``training/loop/trainer.py``). Nothing is written to disk before the config,
 the launch and the data have been checked. Expected errors (bad config, data or environment) print one
 line, ``error: ...``, on every rank and exit with status 2.
 """
@@ -25,7 +25,7 @@ from utils.core.errors import run_cli  # noqa: E402
 
 
 def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") -> None:
-    from utils.config.cli import cli_config
+    from utils.config.command_line import cli_config
 
     cfg = cli_config(argv, default_config, prog)
     if cfg is None:  # --help, --list-configs or --print-config
@@ -34,13 +34,13 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = "train.py") 
     from distributed.simulate import dry_run_wanted, simulation_config
     from distributed.world import distributed_session
     from utils.config.validate import validate
-    from utils.train.trainer import run
-    from utils.tuner.auto import reject_tuner_keys, resolve_local_batch
+    from training.loop.trainer import run
+    from training.tuner.auto import reject_tuner_keys, resolve_local_batch
 
     launch = detect_launch()
     if dry_run_wanted(cfg.parallel):  # a simulated job without a GPU: checked, stepped on fake tensors, its plan printed
-        from utils.tuner.plan import plan_job
-        from utils.tuner.tune import without_tuner_keys
+        from training.tuner.planner import plan_job
+        from training.tuner.tune import without_tuner_keys
         print(plan_job(cfg, without_tuner_keys(argv), launch), flush=True)
         return
     reject_tuner_keys(argv, cfg)

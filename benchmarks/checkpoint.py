@@ -34,9 +34,9 @@ from distributed.checkpoint.export import save_full_model  # noqa: E402
 from distributed.checkpoint.sharded import ShardedCheckpoints  # noqa: E402
 from distributed.launch import detect_launch  # noqa: E402
 from distributed.world import all_reduce, distributed_session  # noqa: E402
-from utils.config.cli import cli_config  # noqa: E402
+from utils.config.command_line import cli_config  # noqa: E402
 from utils.core.errors import ArgumentParser  # noqa: E402
-from utils.train.trainer import Trainer  # noqa: E402
+from training.loop.trainer import Trainer  # noqa: E402
 
 COLUMNS = [("what", "what", "s"), ("seconds", "seconds", ".2f"), ("GB", "size_gb", ".2f"),
            ("stall s", "stall_s", ".2f"), ("steps during write", "steps_during_write", "d")]

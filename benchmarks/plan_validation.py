@@ -5,7 +5,7 @@
 (b) the planner for ``vit_2b`` ZeRO-3 on 256 ranks (``python -m tools.tune_batch_size --simulate_world_size 256``)
     under a time limit: its wall time, pick, predicted peaks and parts;
 (c) ZeRO-3 shards of simulated worlds of 2 and 4: this rank's parameter, gradient and Adam bytes counted from its
-    local shards, computed from the sharding rule (``utils.tuner.plan.analytic_shard_bytes``), and seen by the
+    local shards, computed from the sharding rule (``training.tuner.planner.analytic_shard_bytes``), and seen by the
     CUDA allocator (which adds FSDP2's padding of every shard to the largest chunk, and its rounding).
 
     python benchmarks/plan_validation.py --out $OUT/plan.json
@@ -84,10 +84,10 @@ def zero3_shards(config: str, sizes: tuple[int, ...]) -> list[dict]:
 
     from distributed.launch import LaunchEnv
     from distributed.world import init_distributed, shutdown
-    from utils.config.cli import cli_config
-    from utils.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
-    from utils.train.step import build_training_step
-    from utils.tuner.plan import analytic_shard_bytes
+    from utils.config.command_line import cli_config
+    from training.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
+    from training.loop.step import build_training_step
+    from training.tuner.planner import analytic_shard_bytes
 
     rows = []
     for n, rank in itertools.product(sizes, (0, 1)):

@@ -4,7 +4,7 @@
     python benchmarks/profile_step.py --config short_opt --data_loader_config synthetic --amp_modes bf16 bf16_pure fp8
 
 Every option but those below is a ``train.py`` option. Per precision mode (``--amp_modes``; default the
-config's own) the trainer (``utils/train/trainer.py``) is built, ``--warmup_steps`` steps run (compilation
+config's own) the trainer (``training/loop/trainer.py``) is built, ``--warmup_steps`` steps run (compilation
 happens there), ``--steps`` steps are timed without and then with the profiler, and the table of the
 ``--rows`` ops with the most device time (CPU time on the CPU) is printed. With ``--out DIR`` each mode's
 step times and every op's averages (``key_averages``: calls, total and self device and CPU time in
@@ -65,7 +65,7 @@ def profile_mode(cfg, world, args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from utils.train.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     cuda = world.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(world.device)) if cuda else (lambda: None)
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
 
     from distributed.launch import detect_launch, validation_launch
     from distributed.world import distributed_session
-    from utils.config.cli import cli_config
+    from utils.config.command_line import cli_config
     from utils.config.validate import validate
 
     args, rest = parser().parse_known_args(argv)

@@ -1,6 +1,6 @@
 """Apply parallelism and memory levers to a plain ``networks/vit.py`` model, in this order:
 
-1. float8 linears in the blocks with ``--amp_mode fp8`` (``distributed/float8.py``), before anything
+1. float8 linears in the blocks with ``--amp_mode fp8`` (``utils/precision/float8.py``), before anything
    wraps or shards them; with ``--amp_mode bf16_pure`` a bf16 residual stream (:func:`apply_bf16_residual`);
 2. tensor / context parallel (``distributed/tensor_parallel.py``) over the ``tp``/``cp`` mesh dims: every
    parameter a DTensor on the ``tp`` mesh;
@@ -33,17 +33,13 @@ from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from distributed.float8 import apply_float8
 from distributed.simulate import is_simulated
 from distributed.tensor_parallel import apply_tensor_context_parallel
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
 from utils.config.schema import ParallelConfig, PrecisionConfig
-
-# autocast dtype, also FSDP's parameter dtype; fp8 runs bf16 wherever its float8 linears do not; bf16_pure is bf16
-# autocast with a bf16 residual stream (apply_bf16_residual)
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16,
-              "fp8": torch.bfloat16}
+from utils.precision.amp import AMP_DTYPES, apply_bf16_residual
+from utils.precision.float8 import apply_float8
 
 # Op-level selective checkpointing: keep the outputs of matmuls and attention (expensive to
 # recompute), recompute the cheap pointwise and normalization ops (most of the activation bytes).
@@ -86,26 +82,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
                 context_fn=partial(create_selective_checkpoint_contexts, _op_policy))
 
 
-def apply_bf16_residual(model: nn.Module) -> None:
-    """``--amp_mode bf16_pure``: carry the residual stream between the blocks in bf16 (in place).
-
-    Under bf16 autocast a block's output ``x + attn(norm1(x))`` keeps the dtype of ``x``, and ``x`` starts fp32
-    (the patch embedding's bf16 output plus the fp32 position embedding), so every residual add, LayerNorm input
-    and saved activation of the stream is fp32. Casting the first block's input to bf16 makes the whole stream
-    bf16: half the bytes of those bandwidth-bound passes, forward and backward. The parameters stay fp32 master
-    weights (Adam and checkpoints see only them), cast to bf16 by autocast for the GEMMs; LayerNorm computes its
-    statistics in fp32 (on CUDA autocast runs it in fp32), the attention kernels keep the softmax in fp32 and
-    the loss is fp32 (``relative_l2_loss``). This is what FSDP2's
-    ``MixedPrecisionPolicy(param_dtype=bf16)`` gives under ``--fsdp`` (bf16 parameters, block inputs cast to
-    bf16), so one GPU, DDP and FSDP run the same arithmetic; there the cast finds bf16 already.
-    """
-    model.blocks[0].register_forward_pre_hook(_bf16_inputs)
-
-
-def _bf16_inputs(module: nn.Module, args: tuple) -> tuple:
-    return tuple(a.to(torch.bfloat16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-
-
 def apply_packed_attention(model: nn.Module) -> None:
     """Run every block's attention through the packed-QKV cuDNN kernel (``kernels/cudnn_attention.py``):
     it reads q, k, v where the QKV projection wrote them and writes their gradients into one buffer."""
@@ -142,7 +118,7 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, amp_mode: str, world:
     more memory held; 0 keeps FSDP2's defaults (gather on use, backward implicit next-1).
     ``fsdp_cpu_offload`` keeps shards, gradients and optimizer state on the host
     (``CPUOffloadPolicy``; the model must be materialized on the CPU). Parameters are gathered in the AMP
-    dtype (bf16 for fp8), the float8 linears' weights in float8 where ``distributed/float8.py`` enables it.
+    dtype (bf16 for fp8), the float8 linears' weights in float8 where ``utils/precision/float8.py`` enables it.
     """
     kwargs = dict(mesh=data_parallel_mesh(parallel, world), reshard_after_forward=parallel.fsdp != "zero2",
                   mp_policy=mixed_precision(parallel, amp_mode), shard_placement_fn=_fsdp_shard_dim)

@@ -6,14 +6,14 @@ slot) as an N-rank world, and :func:`distributed.world.init_distributed` builds 
 (dp, FSDP/HSDP, tp, cp) on it. So FSDP shards the parameters N ways, tensor parallelism slices the layers,
 context parallelism splits the tokens, and the step allocates what rank r of the real job allocates: its
 memory, the allocator's retries and OOMs are real. What the collectives would compute is not, nor their time,
-nor NCCL's own buffers (outside PyTorch's allocator; ``utils/tuner/plan.py`` adds an allowance).
+nor NCCL's own buffers (outside PyTorch's allocator; ``training/tuner/planner.py`` adds an allowance).
 
 To the fake process group this process is rank r, so every group and mesh coordinate (FSDP's shard index,
 the tensor- and context-parallel rank, the data shard) is rank r's. To the run it is the main process
 (``LaunchEnv.rank`` 0, :func:`simulated_env`): it is the only one, so it keeps the run's records and decides
 for itself what rank 0 would broadcast (``distributed.world.broadcast_from_main``).
 
-Without a GPU a simulation is a dry run (:func:`dry_run_wanted`, ``utils/tuner/plan.py``): the config and the
+Without a GPU a simulation is a dry run (:func:`dry_run_wanted`, ``training/tuner/planner.py``): the config and the
 mesh are checked and two steps run on fake tensors.
 """
 

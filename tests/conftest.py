@@ -11,6 +11,6 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A small synthetic dataset in the training layout (4 channels, 32x64), shared by the session."""
-    from utils.data.generate import make_synthetic_dataset
+    from utils.preprocess.synthetic_dataset import make_synthetic_dataset
     return make_synthetic_dataset(tmp_path_factory.mktemp("tiny") / "data", channels=4, img_size=(32, 64),
                                   train_years=2, valid_years=1, steps_per_year=48, seed=0)

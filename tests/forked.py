@@ -26,7 +26,7 @@ from pathlib import Path
 
 # what an entry point imports on its way to its first step; the fork server imports them once
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "h5py",
-           "tests.dist_utils", "networks.vit", "distributed.world", "utils.train.trainer", "utils.config.cli"]
+           "tests.dist_utils", "networks.vit", "distributed.world", "training.loop.trainer", "utils.config.command_line"]
 
 
 def context():

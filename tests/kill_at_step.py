@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
-from utils.train.trainer import Trainer  # noqa: E402
+from training.loop.trainer import Trainer  # noqa: E402
 
 STEP = int(sys.argv.pop(1))
 SIGNAL = getattr(signal, "SIG" + os.environ.get("KILL_SIGNAL", "KILL"))

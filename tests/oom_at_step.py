@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
 from networks.vit import VisionTransformer  # noqa: E402
-from utils.evaluation.evaluator import Evaluator  # noqa: E402
+from training.evaluation.evaluator import Evaluator  # noqa: E402
 
 STEP = int(sys.argv.pop(1))
 PHASE = os.environ.get("OOM_PHASE", "forward")

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from networks.vit import VisionTransformer  # noqa: E402
 from utils.core.errors import run_cli  # noqa: E402
-from utils.tuner.cli import main  # noqa: E402
+from training.tuner.command import main  # noqa: E402
 
 OOM_FROM = int(os.environ["OOM_FROM"])
 CHOSEN = os.environ.get("OOM_RANKS") is None or os.environ.get("RANK", "0") in os.environ["OOM_RANKS"].split(",")

@@ -8,7 +8,7 @@ import torch
 
 from distributed.world import init_distributed
 from utils.config.loading import load_config
-from utils.train.trainer import Trainer
+from training.loop.trainer import Trainer
 
 
 def tiny_params(data_path, expdir, **overrides):

@@ -7,7 +7,7 @@ Usage::
     python -m tools.compare_runs --expdir runs --channels t2m,z500 --out plots/
     python -m tools.compare_runs --expdir runs --json | jq '.runs[].samples_per_s'
 
-What the table and the plots hold: ``utils/monitor/compare.py``.
+What the table and the plots hold: ``training/evaluation/run_comparison.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 
 from utils.core.errors import ArgumentParser, UserError, run_cli
 from utils.core.files import output_path_type
-from utils.monitor.compare import (default_out, differing_keys, finite, format_table, key_channels, load_runs,
+from training.evaluation.run_comparison import (default_out, differing_keys, finite, format_table, key_channels, load_runs,
                                    run_row, write_plots)
 
 

@@ -6,7 +6,7 @@ Usage::
         [--valid_start 2017-01-02 | --valid_fraction 0.5] [--members all | 0 | 0,3] \\
         [--trim_to_multiple 4] [--select expver=0] [--overwrite]
 
-What it does: ``utils/data/convert.py``.
+What it does: ``utils/preprocess/convert.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 
 from utils.core.errors import ArgumentParser, run_cli
 from utils.core.files import output_path_type
-from utils.data.convert import convert
-from utils.data.plan import parse_select
+from utils.preprocess.convert import convert
+from utils.preprocess.convert_plan import parse_select
 
 
 def build_parser() -> ArgumentParser:

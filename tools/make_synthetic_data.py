@@ -1,4 +1,4 @@
-"""Generate a synthetic ERA5-like dataset in the training layout (what it holds: ``utils/data/generate.py``).
+"""Generate a synthetic ERA5-like dataset in the training layout (what it holds: ``utils/preprocess/synthetic_dataset.py``).
 
 Usage::
 
@@ -13,7 +13,7 @@ import sys
 
 from utils.core.errors import ArgumentParser, run_cli
 from utils.core.files import output_path_type
-from utils.data.generate import make_synthetic_dataset
+from utils.preprocess.synthetic_dataset import make_synthetic_dataset
 
 
 def build_parser() -> ArgumentParser:

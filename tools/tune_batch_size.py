@@ -11,7 +11,7 @@ Launched like ``train.py`` and parsed by the same config (the tuner's own keys a
 exact ``train.py`` arguments; writes the JSON (``--out``) and a PNG beside it. ``--tune ac_blocks``
 (or ``fsdp_prefetch``) searches, at the config's global batch, the fastest clean combination of local
 batch (with the accumulation that keeps the global batch) and that setting instead. How trials run and
-what happens on OOM: ``utils/tuner/trials.py``; the search and the choices: ``utils/tuner/search.py``.
+what happens on OOM: ``training/tuner/trials.py``; the search and the choices: ``training/tuner/search.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file too
 
 from utils.core.errors import run_cli  # noqa: E402
-from utils.tuner.cli import main  # noqa: E402
+from training.tuner.command import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_cli(main))

@@ -9,7 +9,7 @@
 * :func:`package_meta`: what makes such a file self-contained (a "model package", as makani saves one): the
   config section by section, normalization statistics, channel names and units, grid, time step and calendar,
   and the climatology when small (else a note). All plain data, so ``torch.load(weights_only=True)`` reads it and
-  ``utils.evaluation.forecast.Forecaster.from_file`` forecasts with nothing else (docs/python-api.md).
+  ``training.evaluation.forecast.Forecaster.from_file`` forecasts with nothing else (docs/python-api.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from distributed.checkpoint.files import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
+from distributed.checkpoint.folder import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
                                           read_checksums, save_file, step_folder, step_folders)
 from distributed.checkpoint.storage import SafeReader, load_plain, mismatched_file
 from distributed.checkpoint.views import ViewLoadPlanner

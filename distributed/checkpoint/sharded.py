@@ -6,7 +6,7 @@ Model, optimizer and the trainer's other ``state_dict`` objects are written with
 checkpoint loads on any number of ranks (DCP reshards). Tensor-parallel parameters held with head axes
 are written in the plain shape (``distributed/checkpoint/views.py``), so a checkpoint holds the single-GPU
 layout and loads under any tensor/context/data parallelism, FSDP or none, or into the plain model. The
-folder layout: ``distributed/checkpoint/files.py``.
+folder layout: ``distributed/checkpoint/folder.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distributed.checkpoint.files import (CHECKSUMS, DISK_FIX, LATEST, read_checksums, describe_exception, folder_step, load_candidates,
+from distributed.checkpoint.folder import (CHECKSUMS, DISK_FIX, LATEST, read_checksums, describe_exception, folder_step, load_candidates,
                                           named_latest, os_error, read_latest, resolve_checkpoint, step_folder,
                                           step_folders, is_complete, write_failed)
 from distributed.checkpoint.staging import HostStager
@@ -70,7 +70,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
 
 
 class ShardedCheckpoints:
-    """Sharded checkpoints of a training run in ``directory`` (layout: ``distributed/checkpoint/files.py``).
+    """Sharded checkpoints of a training run in ``directory`` (layout: ``distributed/checkpoint/folder.py``).
 
     ``save``, ``wait``, ``load`` and ``close`` are collective: every rank calls them at the same
     point of the run. Every rank learns the same outcome (success, or the same error), so none

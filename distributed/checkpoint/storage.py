@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from distributed.checkpoint.files import CHECKSUMS, METADATA, os_error
+from distributed.checkpoint.folder import CHECKSUMS, METADATA, os_error
 from utils.core.errors import UserError
 from utils.core.files import write_atomic
 

@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from utils.data.layout import resolve_data_path  # noqa: E402
-from utils.evaluation.forecast import Forecaster  # noqa: E402
+from training.evaluation.forecast import Forecaster  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Forecast from Python and plot it against the data.")
 parser.add_argument("--run_dir", type=Path, default=None, help="a run directory (default: the newest tiny run)")

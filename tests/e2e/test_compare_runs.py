@@ -11,7 +11,7 @@ import pytest
 from tests.dist_utils import subprocess_env
 from tests.forked import run_forked
 from tools.compare_runs import main
-from utils.monitor.compare import default_out, differing_keys, legend_labels, load_runs
+from training.evaluation.run_comparison import default_out, differing_keys, legend_labels, load_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANNELS = ["u10m", "v10m", "t2m", "sp", "msl"]

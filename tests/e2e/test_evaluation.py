@@ -1,4 +1,4 @@
-"""Rollout evaluation (utils/evaluation.py, evaluate.py, the trainer's --valid_rollout_steps).
+"""Rollout evaluation (training/evaluation.py, evaluate.py, the trainer's --valid_rollout_steps).
 
 * rollouts feed the model its own forecasts (also inside :func:`score_rollouts`);
 * :class:`SkillSums` / :class:`Scorecard` against an independent xarray reference with WeatherBench 2
@@ -33,8 +33,8 @@ from torch import nn
 from tests.dist_utils import launch_entry, subprocess_env
 from tests.jobs import reference_run
 from utils.data.stats import Stats
-from utils.evaluation.scoring import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
-from utils.evaluation.metrics import latitude_weights
+from training.evaluation.scoring import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
+from training.evaluation.metrics import latitude_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -555,7 +555,7 @@ def test_default_batch_size_is_the_runs_local_batch(runs, tmp_path):
              "def stop(cfg, split, batch_size, *a, **k):\n"
              "    print('BATCH', batch_size); sys.exit(0)\n"
              "dl.split_batches = stop\n"
-             "from utils.evaluation.evaluate_run import main\n"
+             "from training.evaluation.evaluate_run import main\n"
              f"main(['--run_dir', {str(runs['one_step'])!r}, '--lead_steps', '1'])\n")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=subprocess_env(), capture_output=True,
                           text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Forecasts from Python (utils/evaluation/forecast.py) and the self-contained model file:
+"""Forecasts from Python (training/evaluation/forecast.py) and the self-contained model file:
 
 * ``Forecaster.from_run`` and ``Forecaster.from_file`` forecast what ``evaluate.py --save_forecasts`` saved;
 * ``checkpoints/model.pt`` is plain data (``torch.load(weights_only=True)``) holding the config section by
@@ -64,7 +64,7 @@ def assert_same_forecast(forecast: xr.Dataset, saved: xr.DataArray, init: int) -
 
 
 def test_forecaster_equals_the_saved_forecasts(run, saved):
-    from utils.evaluation.forecast import Forecaster
+    from training.evaluation.forecast import Forecaster
     path = valid_file(run)
     for forecaster in (Forecaster.from_run(run), Forecaster.from_file(run / "checkpoints" / "model.pt")):
         assert forecaster.step == 16 and forecaster.channels == ["u10m", "v10m", "t2m", "sp"]
@@ -102,7 +102,7 @@ def test_model_file_is_self_contained_plain_data(run, tmp_path):
     state.to_netcdf(tmp_path / "state.nc")
     script = ("import sys, xarray as xr\n"
               f"sys.path.insert(0, {str(ROOT)!r})\n"
-              "from utils.evaluation.forecast import Forecaster\n"
+              "from training.evaluation.forecast import Forecaster\n"
               "f = Forecaster.from_file('model.pt')\n"
               "out = f.forecast(xr.open_dataset('state.nc'), 2)\n"
               "print('OK', out['t2m'].shape, float(out['t2m'].mean()))\n")
@@ -114,7 +114,7 @@ def test_model_file_is_self_contained_plain_data(run, tmp_path):
 
 def test_an_old_model_file_is_a_clear_error(run, tmp_path):
     from utils.core.errors import UserError
-    from utils.evaluation.forecast import Forecaster
+    from training.evaluation.forecast import Forecaster
     package = torch.load(run / "checkpoints" / "model.pt", map_location="cpu", weights_only=True)
     torch.save({"model": package["model"], "step": 16, "config": {"lr": 1.0}}, tmp_path / "old.pt")
     with pytest.raises(UserError, match="not a self-contained model file .* python -m tools.export_model"):

@@ -8,7 +8,7 @@ import pytest
 
 from tests.jobs import ROOT, run_job
 from utils.core.errors import EXIT_OUT_OF_MEMORY
-from utils.monitor.oom import OOM_REMEDIES
+from training.monitor.oom import OOM_REMEDIES
 
 OOM_AT = [str(ROOT / "tests" / "oom_at_step.py"), "3"]
 

@@ -13,8 +13,8 @@ import pytest
 from tests.dist_utils import launch_entry, subprocess_env
 from tests.forked import run_forked
 from tests.jobs import ROOT, run_job, run_path, run_record
-from utils.config.cli import cli_config
-from utils.train.step import count_parameters
+from utils.config.command_line import cli_config
+from training.loop.step import count_parameters
 
 VIT_2B_128 = ["--config", "vit_2b", "--fsdp", "hsdp", "--hsdp_shard_size", "8", "--tensor_parallel", "2",
               "--simulate_world_size", "128", "--local_batch_size", "1"]

@@ -112,7 +112,7 @@ def test_a_second_copy_of_a_live_run_is_refused_or_skipped(tiny_data, tmp_path):
 def test_make_train_killed_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path):
     """The Makefile's command on its data: SIGKILLed after a random step past the first checkpoint (100),
     then the same command; then another config, then the same command again, which says the run is complete."""
-    from utils.data.generate import make_synthetic_dataset
+    from utils.preprocess.synthetic_dataset import make_synthetic_dataset
     data = make_synthetic_dataset(tmp_path / "data", channels=4, img_size=(32, 64), train_years=4,
                                   steps_per_year=128, seed=0)  # the Makefile's data target
     whole = train(tmp_path / "whole", data, run_args=MAKE_TRAIN)

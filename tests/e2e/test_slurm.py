@@ -79,7 +79,7 @@ def slurm_cluster():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    from utils.data.generate import make_synthetic_dataset
+    from utils.preprocess.synthetic_dataset import make_synthetic_dataset
 
     out = tmp_path_factory.mktemp("slurm_data") / "tiny"
     make_synthetic_dataset(out, channels=4, img_size=(32, 64), train_years=2, valid_years=1,

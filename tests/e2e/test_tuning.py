@@ -15,10 +15,10 @@ import pytest
 from tests.dist_utils import subprocess_env
 from tests.forked import run_forked
 from tests.jobs import ROOT, run_job, run_path, run_record
-from utils.config.cli import cli_config
+from utils.config.command_line import cli_config
 from utils.config.validate import Launch, validate
 from utils.core.errors import EXIT_OUT_OF_MEMORY, UserError
-from utils.tuner.tune import (
+from training.tuner.tune import (
     TUNE_FILE,
     accumulated_batches,
     journal_path,

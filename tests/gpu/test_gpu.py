@@ -20,7 +20,7 @@ from distributed.world import World
 from distributed.checkpoint.staging import HostStager, register_pinned_memory
 from utils.config.loading import load_config
 from utils.data.loaders import build_data
-from utils.monitor.memory_profile import MemoryProfiler
+from training.monitor.memory_profile import MemoryProfiler
 from utils.config.schema import MemoryConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -88,7 +88,7 @@ def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
     """cuDNN attention has no fp32 kernel: with --amp_mode none it is a one-line error, not a crash mid-step;
     the probe itself runs in the run's dtype (fp32 here), so a backend that has fp32 kernels trains."""
     from utils.core.errors import UserError
-    from utils.train.step import set_attention_backend
+    from training.loop.step import set_attention_backend
     bad = _train_cli(tmp_path / "a", tiny_data, "--attention_backend", "cudnn", "--amp_mode", "none")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --attention_backend cudnn runs only in")
     good = _train_cli(tmp_path / "b", tiny_data, "--attention_backend", "efficient", "--amp_mode", "none")
@@ -109,7 +109,7 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
     their progress lines run under CUDA sync-debug mode "error", which raises on any host sync (.item())."""
     from distributed.world import init_distributed
     from utils.config.loading import load_config
-    from utils.train.trainer import Trainer
+    from training.loop.trainer import Trainer
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
     cfg = load_config("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "expdir": str(tmp_path),
                                                   "data_loader_config": "synthetic", "log_every": "1"})
@@ -122,7 +122,7 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with caplog.at_level(logging.INFO, logger="utils.monitor.reporter"):
+        with caplog.at_level(logging.INFO, logger="training.monitor.reporter"):
             for _ in range(3):
                 check = trainer.train_step(batches)
                 trainer._check_finite(pending)
@@ -280,7 +280,7 @@ def test_fsdp_memory_tracker_on_a_gpu(tmp_path):
 
 def test_a_real_oom_gives_the_one_line_error_and_a_snapshot_that_loads(tmp_path):
     from utils.core.errors import OutOfMemory
-    from utils.monitor.oom import OutOfMemoryHandler
+    from training.monitor.oom import OutOfMemoryHandler
 
     device = torch.device("cuda", torch.cuda.current_device())
     handler = OutOfMemoryHandler(MemoryConfig(memory_snapshot_on_oom=True), tmp_path, 0, device, 8)

@@ -12,8 +12,8 @@ from networks.vit import build_model
 from tests.dist_utils import run_distributed
 from tests.train_utils import tiny_params
 from utils.config.loading import load_config
-from utils.train.step import build_training_step
-from utils.train.trainer import Trainer
+from training.loop.step import build_training_step
+from training.loop.trainer import Trainer
 
 STEPS = {"num_iters": 4, "global_batch_size": 8}
 

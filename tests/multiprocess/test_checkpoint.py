@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed.checkpoint.export import config_sections
-from distributed.checkpoint.files import LATEST, step_folder
+from distributed.checkpoint.folder import LATEST, step_folder
 from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.checkpoint.storage import CheckedWriter
 from distributed.launch import LaunchEnv

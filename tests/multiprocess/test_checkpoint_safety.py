@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed.checkpoint.files import CHECKSUMS, LATEST, METADATA
+from distributed.checkpoint.folder import CHECKSUMS, LATEST, METADATA
 from distributed.checkpoint.storage import (METADATA_CLASSES, RestrictedUnpickler, UnsafeCheckpoint,
                                             check_model_shapes, load_plain)
 from networks.vit import VisionTransformer

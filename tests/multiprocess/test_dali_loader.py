@@ -209,7 +209,7 @@ def test_missing_dali_is_a_user_error(tiny_data, monkeypatch):
 def test_unreadable_sample_is_a_one_line_error(tmp_path):
     """DALI re-raises a worker's exception with the worker's traceback as its message, so read
     errors travel as data and come out as a one-line UserError naming file and time."""
-    from utils.data.generate import make_synthetic_dataset
+    from utils.preprocess.synthetic_dataset import make_synthetic_dataset
     root = make_synthetic_dataset(tmp_path / "data", train_years=1, valid_years=1, steps_per_year=BATCH + 1)
     data = make_data(root, "dali", num_data_workers=1)
     path = root / "valid" / "2001.h5"

@@ -16,12 +16,12 @@ from torch import nn
 
 pytest.importorskip("torchao")
 
-from distributed.float8 import apply_float8, float8_step_hook  # noqa: E402
+from utils.precision.float8 import apply_float8, float8_step_hook  # noqa: E402
 from networks.vit import VisionTransformer, build_model  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.train_utils import tiny_params, train_checkpoint  # noqa: E402
 from utils.config.loading import load_config  # noqa: E402
-from utils.evaluation.metrics import relative_l2_loss  # noqa: E402
+from training.evaluation.metrics import relative_l2_loss  # noqa: E402
 from utils.config.schema import PrecisionConfig  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -162,7 +162,7 @@ def _fsdp_float8_against_one_process(rank: int, world_size: int, out: str) -> No
     fewer bytes, and (all-gather on) a sharded checkpoint and the full weights are written to ``out``."""
     from distributed.checkpoint.sharded import load_sharded, save_sharded
     from distributed.world import init_distributed
-    from utils.train.step import build_training_step
+    from training.loop.step import build_training_step
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 4, 32, 64, generator=g), torch.randn(4, 4, 32, 64, generator=g)

@@ -18,10 +18,10 @@ from distributed.launch import LaunchEnv
 from distributed.world import World, init_distributed
 from tests.dist_utils import run_distributed
 from tests.train_utils import tiny_params
-from utils.monitor.activations import ActivationCounter
-from utils.monitor.memory_profile import MemoryProfiler
+from training.monitor.activations import ActivationCounter
+from training.monitor.memory_profile import MemoryProfiler
 from utils.config.schema import MemoryConfig
-from utils.train.trainer import Trainer
+from training.loop.trainer import Trainer
 
 B, N, D = 3, 8, 16  # batch, tokens ((8 / 4) x (16 / 4) patches), embedding width of the tiny ViT below
 F32 = 4
@@ -125,7 +125,7 @@ def test_window_writes_the_promised_files_on_cpu(tmp_path, caplog):
     cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=2,
                        memory_profile_depth=3)
     profiler = MemoryProfiler(cfg, tmp_path / "memory", cpu_world(), model, optimizer, B)
-    with caplog.at_level(logging.INFO, logger="utils.monitor.memory_profile"):
+    with caplog.at_level(logging.INFO, logger="training.monitor.memory_profile"):
         for step in range(4):
             with profiler.step(0, step):
                 train_step(model, optimizer, micro_batches=2)
@@ -198,8 +198,8 @@ def fsdp_window(rank: int, world_size: int, directory: str) -> None:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("utils.monitor.memory_profile").addHandler(handler)
-    logging.getLogger("utils.monitor.memory_profile").setLevel(logging.INFO)
+    logging.getLogger("training.monitor.memory_profile").addHandler(handler)
+    logging.getLogger("training.monitor.memory_profile").setLevel(logging.INFO)
     cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=1,
                        memory_profile_depth=3)
     profiler = MemoryProfiler(cfg, directory, world, model, optimizer, B)

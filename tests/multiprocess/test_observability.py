@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import torch
 
 from tests.dist_utils import run_distributed
-from utils.monitor.memory import MemoryTracker, NO_RETRY, format_memory
-from utils.monitor.profiling import ProfilerWindow
+from training.monitor.memory import MemoryTracker, NO_RETRY, format_memory
+from training.monitor.profiling import ProfilerWindow
 
 
 def test_memory_line_warns_with_remedies_when_allocator_retried():
@@ -68,7 +68,7 @@ def test_memory_report_is_the_maximum_over_ranks_with_its_rank():
 def test_profiler_window_starts_and_stops_at_the_configured_steps(monkeypatch, caplog):
     monkeypatch.setenv("ENABLE_PROFILING", "1")
     window = ProfilerWindow(epoch=1, start_step=2, steps=3, rank=0)
-    with caplog.at_level(logging.INFO, logger="utils.monitor.profiling"):
+    with caplog.at_level(logging.INFO, logger="training.monitor.profiling"):
         for epoch in range(3):
             for step in range(8):
                 window.step_start(SimpleNamespace(epoch=epoch, epoch_step=step))

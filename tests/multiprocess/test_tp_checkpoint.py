@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from distributed.checkpoint.export import export_model, full_model_state_dict
-from distributed.checkpoint.files import step_folder
+from distributed.checkpoint.folder import step_folder
 from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.checkpoint.views import plain_boxes
 from distributed.launch import LaunchEnv

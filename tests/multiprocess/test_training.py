@@ -51,7 +51,7 @@ def test_bf16_and_fused_and_clipping_run(tiny_data, tmp_path):
 def test_after_step_hook_runs_once_per_optimizer_step_after_adam(tmp_path):
     """TrainingStep's ``after_step`` (fp8's float8 weight scales under FSDP) sees the updated weights."""
     from distributed.world import init_distributed
-    from utils.train.step import build_training_step
+    from training.loop.step import build_training_step
     cfg = tiny_params(tmp_path, tmp_path, grad_accum_steps=2)
     step = build_training_step(cfg, init_distributed(cfg.parallel))
     seen = []

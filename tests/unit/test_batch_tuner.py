@@ -15,10 +15,10 @@ import torch
 from distributed.launch import LaunchEnv
 from distributed.world import World
 from tests.dist_utils import run_distributed
-from utils.tuner.report import plot, report_table, save_json
-from utils.tuner.tune import short_epochs, short_runs
-from utils.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_args, choose, combine, scaled_lr, search
-from utils.config.cli import cli_config
+from training.tuner.report import plot, report_table, save_json
+from training.tuner.tune import short_epochs, short_runs
+from training.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_args, choose, combine, scaled_lr, search
+from utils.config.command_line import cli_config
 from utils.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

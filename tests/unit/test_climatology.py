@@ -26,13 +26,13 @@ import xarray as xr
 from utils.core.errors import UserError
 from utils.data.climatology import Climatology, ClimatologyAccumulator, window_weights
 from utils.data.dataset import ERA5Dataset
-from utils.data.generate import make_synthetic_dataset
+from utils.preprocess.synthetic_dataset import make_synthetic_dataset
 from utils.data.layout import CLIMATOLOGY
 from utils.data.loaders import split_batches
 from utils.data.metadata import read_metadata
 from utils.data.stats import TIME_MEANS_SOURCE, Stats
-from utils.evaluation.metrics import latitude_weights, spectrum_rows
-from utils.evaluation.scoring import score_rollouts
+from training.evaluation.metrics import latitude_weights, spectrum_rows
+from training.evaluation.scoring import score_rollouts
 from utils.config.schema import DataConfig
 
 REPO = Path(__file__).resolve().parents[2]

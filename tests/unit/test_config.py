@@ -13,7 +13,7 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from utils.config.cli import cli_config, config_list, full_help, key_help, markdown_flags
+from utils.config.command_line import cli_config, config_list, full_help, key_help, markdown_flags
 from utils.config.loading import load_config, parse_overrides, to_yaml
 from utils.core.errors import UserError
 from utils.config.schema import Config, KEYS
@@ -322,7 +322,7 @@ def test_to_yaml_round_trip(name, tmp_path):
 # ---------------------------------------------------------------- batch_sizes and lr_lambda
 @pytest.fixture(scope="module")
 def train_step_mod():
-    from utils.train import step as train_step
+    from training.loop import step as train_step
 
     return train_step
 
@@ -563,12 +563,12 @@ def test_config_list_names_every_config():
 
 
 def test_docs_flag_table_is_generated_from_the_schema(tmp_path):
-    from utils.config.cli import FLAGS_DOC, update_docs
+    from utils.config.command_line import FLAGS_DOC, update_docs
     docs = FLAGS_DOC.read_text()
     block = re.search(r"<!-- flags:start -->\n(.*?)\n<!-- flags:end -->", docs, re.S)
     assert block, f"{FLAGS_DOC} lacks the generated flag table markers"
     assert block.group(1) == markdown_flags(), \
-        "docs/configs.md flag table is stale: run python -m utils.config.cli --update-docs"
+        "docs/configs.md flag table is stale: run python -m utils.config.command_line --update-docs"
     assert "flags:start" not in (REPO / "README.md").read_text()  # one generated table, in the docs
     stale = tmp_path / "configs.md"
     stale.write_text("# Configs\n<!-- flags:start -->\n| old |\n<!-- flags:end -->\nafter\n")

@@ -11,7 +11,9 @@ import h5py
 import numpy as np
 import pytest
 
-from utils.data import convert, formats, layout, plan
+from utils.data import layout
+from utils.preprocess import convert, formats
+from utils.preprocess import convert_plan as plan
 from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")

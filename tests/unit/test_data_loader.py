@@ -21,7 +21,7 @@ from utils.data.loaders import Data, build_data, split_batches
 from utils.data.native import NumberedBatches
 from utils.data.metadata import equiangular_latitudes, read_metadata
 from utils.data.stats import Stats
-from utils.data.synthetic import SyntheticBatches
+from utils.data.synthetic_loader import SyntheticBatches
 from utils.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

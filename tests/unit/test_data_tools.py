@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from tools import convert_era5, make_synthetic_data as synth
-from utils.data import convert, formats, generate, layout, metadata, plan, writer
+from utils.data import layout, metadata
+from utils.preprocess import convert, formats, writer
+from utils.preprocess import convert_plan as plan
+from utils.preprocess import synthetic_dataset as generate
 from utils.data.layout import LayoutError
 
 xr = pytest.importorskip("xarray")

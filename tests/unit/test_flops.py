@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from networks.vit import build_model
 from utils.config.loading import load_config
-from utils.monitor.flops import vit_flops_per_sample
+from training.monitor.flops import vit_flops_per_sample
 
 
 def test_formula_matches_hand_count_for_tiny():

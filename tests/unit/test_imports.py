@@ -8,10 +8,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # bottom to top; a module may import its own layer's packages (without a cycle) and the layers below
-LAYERS = [("utils.core",), ("utils.config",), ("utils.data", "networks", "kernels"), ("distributed",),
-          ("utils.monitor", "utils.evaluation"), ("utils.train",), ("utils.tuner",),
+LAYERS = [("utils.core",), ("utils.precision",), ("utils.config",),
+          ("utils.data", "utils.preprocess", "networks", "kernels"), ("distributed",),
+          ("training.monitor", "training.evaluation"), ("training.loop",), ("training.tuner",),
           ("train", "train_mp", "evaluate", "tools", "benchmarks")]
-LIBRARY = ("utils", "distributed", "networks", "kernels")
+LIBRARY = ("utils", "distributed", "networks", "kernels", "training")
+# the top-level packages, bottom to top: each imports only those before it
+TOP_LEVEL = ("utils", "networks", "kernels", "distributed", "training")
 MAX_LINES = 500
 
 
@@ -29,7 +32,7 @@ def sources() -> dict[str, Path]:
     files = [p for top in (*LIBRARY, "tools", "benchmarks") for p in (ROOT / top).rglob("*.py")]
     files += [ROOT / f"{name}.py" for name in ("train", "train_mp", "evaluate")]
     named = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
-    return {name: path for name, path in named.items() if name != "utils"}  # utils/__init__.py: the map only
+    return {name: path for name, path in named.items() if name not in ("utils", "training")}  # maps only
 
 
 def imports(path: Path, modules: set[str]) -> list[tuple[str, list[str], int]]:
@@ -112,7 +115,25 @@ def test_no_source_file_is_over_500_lines():
 
 def test_the_checker_sees_a_violation():
     """The layer rule would catch an upward import (guards the check itself against matching nothing)."""
-    assert layer("utils.core.errors") < layer("utils.train.trainer") < layer("train")
+    assert layer("utils.core.errors") < layer("training.loop.trainer") < layer("train")
     assert package("distributed.checkpoint.manager") == "distributed"
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
-    assert any(t == "utils.train.trainer" for t, _, _ in GRAPH["utils.tuner.auto"])
+    assert any(t == "training.loop.trainer" for t, _, _ in GRAPH["training.tuner.auto"])
+
+
+def test_top_level_packages_import_one_way():
+    """``utils`` -> ``networks``/``kernels`` -> ``distributed`` -> ``training``: the tree's order is the layers'."""
+    top = {p: i for i, p in enumerate(TOP_LEVEL)}
+    back = [f"{m} imports {t} on line {line}" for m, edges in GRAPH.items() for t, _, line in edges
+            if m.split(".")[0] in top and t.split(".")[0] in top and top[t.split(".")[0]] > top[m.split(".")[0]]]
+    assert not back, "\n".join(back)
+
+
+def test_no_two_modules_share_a_name():
+    """A file name says what it holds once in the tree (``__init__.py`` aside)."""
+    names: dict[str, list[str]] = {}
+    for module, path in sources().items():
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(module)
+    shared = {name: modules for name, modules in names.items() if len(modules) > 1}
+    assert not shared, shared

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.evaluation.metrics import (latitude_weights, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
+from training.evaluation.metrics import (latitude_weights, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
                                       weighted_bias_channels, weighted_mse_channels)
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("utils", "distributed", "tools", "networks", "kernels")
+OURS = ("utils", "distributed", "training", "tools", "networks", "kernels")
 MARKER = "DASK_DISTRIBUTED = True  # stands for dask's package\n"
 
 

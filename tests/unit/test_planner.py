@@ -1,4 +1,4 @@
-"""Planning an N-rank job on one device (distributed/simulate.py, utils/tuner/plan.py): a simulated rank takes
+"""Planning an N-rank job on one device (distributed/simulate.py, training/tuner/planner.py): a simulated rank takes
 rank r's place in the mesh on the fake process group; a ZeRO-3 world of two holds the bytes the sharding rule
 predicts (fake tensors and real CPU tensors); uneven shards are found; the dry run's parts add up; the NCCL
 allowance and the submit line; bad inputs are one-line errors."""
@@ -14,14 +14,14 @@ from distributed.launch import LaunchEnv
 from distributed.simulate import simulated_env, simulation_config
 from distributed.world import broadcast_from_main, init_distributed, shutdown
 from networks.vit import build_model
-from utils.config.cli import cli_config
+from utils.config.command_line import cli_config
 from utils.config.validate import Launch, validate
 from utils.core.errors import UserError
-from utils.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
-from utils.train.step import build_training_step
-from utils.tuner.plan import NCCL_BUFFSIZE_DEFAULT, distinct_ranks, dry_run, nccl_allowance
-from utils.tuner.report import PARTS, plan_table, submit_line
-from utils.tuner.tune import without_tuner_keys
+from training.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
+from training.loop.step import build_training_step
+from training.tuner.planner import NCCL_BUFFSIZE_DEFAULT, distinct_ranks, dry_run, nccl_allowance
+from training.tuner.report import PARTS, plan_table, submit_line
+from training.tuner.tune import without_tuner_keys
 
 TINY = ["--config", "tiny", "--local_batch_size", "2"]
 

@@ -1,4 +1,4 @@
-"""Zonal power spectra and the blurring figure (utils/evaluation/metrics.py, SkillSums/Scorecard in scoring.py) on
+"""Zonal power spectra and the blurring figure (training/evaluation/metrics.py, SkillSums/Scorecard in scoring.py) on
 fields whose spectrum is known."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from utils.data.stats import Stats
-from utils.evaluation.metrics import blurring_band, latitude_weights, spectrum_rows, zonal_power_spectrum
-from utils.evaluation.scoring import SkillSums
+from training.evaluation.metrics import blurring_band, latitude_weights, spectrum_rows, zonal_power_spectrum
+from training.evaluation.scoring import SkillSums
 
 
 def wave(amplitude: float, k: int, h: int, w: int, phase: float = 0.3) -> torch.Tensor:

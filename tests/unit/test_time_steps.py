@@ -15,7 +15,7 @@ from utils.data.dataset import ERA5Dataset, make_sampler
 from utils.data.native import DeviceBatches
 from utils.data.stats import Stats
 from utils.data.timestep import TimeStep, infer_time_step, lead_label
-from utils.data.writer import FieldFileWriter
+from utils.preprocess.writer import FieldFileWriter
 
 C, IMG = 2, (4, 8)
 LAT, LON = np.linspace(60, -60, IMG[0]), np.arange(IMG[1]) * 45.0

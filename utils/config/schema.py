@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from utils.config.fp8_speed import help_note
+from utils.precision.fp8_advice import help_note
 from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL,
                                 Check, KeySpec, key, plain)
 

@@ -1,6 +1,6 @@
 """The lifecycle every component of a run shares: the hooks the training loop calls, and when.
 
-The loop (``utils/train/trainer.py``) holds its components in one list, in the order written there, and
+The loop (``training/loop/trainer.py``) holds its components in one list, in the order written there, and
 calls each hook on every component in that order::
 
     start(state)                          once, after resume, before the first step
@@ -12,7 +12,7 @@ calls each hook on every component in that order::
 
 A component decides for itself whether a hook acts: the checkpoint manager its cadence (steps, minutes,
 preemption, the end), the evaluator its validation epochs, the profilers their windows. ``state`` is the
-run's ``TrainState`` (``utils/train/state.py``); ``record`` is the epoch's flat record, which components
+run's ``TrainState`` (``training/loop/state.py``); ``record`` is the epoch's flat record, which components
 extend in order (memory figures, validation scores) and the reporter writes.
 """
 

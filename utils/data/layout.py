@@ -1,6 +1,6 @@
 """The on-disk layout of a dataset: folder, file, dataset and attribute names, and the output folder.
 
-Layout (written by ``utils/data/writer.py`` for the data tools, read by the loaders)::
+Layout (written by ``utils/preprocess/writer.py`` for the data tools, read by the loaders)::
 
     <data_path>/train/<name>.h5, <data_path>/valid/<name>.h5   one file per year (or year+member)
     <data_path>/stats/global_means.npy   (1, C, 1, 1) float32, per-channel mean, training split only

@@ -1,7 +1,7 @@
 """Everything the training loop needs from the data side, built from the ``data`` config section.
 
 Every loader (:class:`~utils.data.native.DeviceBatches`, :class:`~utils.data.dali.DaliBatches`,
-:class:`~utils.data.synthetic.SyntheticBatches`) follows one protocol, :class:`Batches`: ``len`` is the
+:class:`~utils.data.synthetic_loader.SyntheticBatches`) follows one protocol, :class:`Batches`: ``len`` is the
 batches of an epoch, ``set_epoch(epoch, start_batch)`` orders the next iteration, iterating yields
 ``(inp, tar, idx)``: ``inp`` float32 ``(B, C, H, W)``, ``tar`` float32 ``(B, k, C, H, W)`` (``tar[:, j - 1]``
 is ``j*dt`` after the input), both normalized, ``idx`` int64 ``(B,)``; ``close`` releases workers and buffers.
@@ -25,7 +25,7 @@ from utils.data.layout import DEFAULT_STEP_HOURS, SPLITS
 from utils.data.metadata import equiangular_latitudes, read_metadata, read_time_axis
 from utils.data.native import DeviceBatches, DeviceRing
 from utils.data.stats import Stats
-from utils.data.synthetic import SyntheticBatches
+from utils.data.synthetic_loader import SyntheticBatches
 
 
 class Batches(Protocol):

@@ -3,7 +3,7 @@
 Sub-daily and daily data step by a fixed duration (``6 hours``, ``1 days``). Monthly and annual means step by
 calendar months or years, whose length in hours varies (28 to 31 days, 365 or 366 days) and whose time stamps
 may sit mid-month or mid-year; a fixed number of hours cannot describe them, so the step keeps its unit. Times
-are cftime datetimes of the dataset's CF calendar (``utils/data/plan.py`` decodes them), so ``360_day``,
+are cftime datetimes of the dataset's CF calendar (``utils/preprocess/convert_plan.py`` decodes them), so ``360_day``,
 ``noleap`` and the other calendars count as their own.
 """
 

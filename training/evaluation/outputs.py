@@ -1,0 +1,97 @@
+"""The files ``evaluate.py`` writes: the scorecard (JSON, netCDF, PNG figures) and the forecasts (netCDF)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from utils.core.errors import UserError
+from training.evaluation.plots import skill_figure, spectra_figure
+from training.evaluation.scoring import FORECASTS, METRICS, SPECTRA
+
+
+def scorecard_dataset(card):
+    """The scorecard as an xarray Dataset: ``skill(metric, forecast, channel, lead_time)`` (RMSE and bias in
+    channel units, ACC), ``spectrum(source, channel, lead_time, wavenumber)`` (``source`` model or truth, squared
+    channel units) and ``blurring(channel, lead_time)``; ``lead_time`` in the card's unit (attribute ``units``)."""
+    import xarray as xr  # the data extra: only evaluate.py needs it
+    values = [[[card.scores[f][m][ch] for ch in card.channels] for f in FORECASTS] for m in METRICS]
+    leads = xr.Variable("lead_time", card.leads, {"units": card.lead_unit})
+    skill = xr.DataArray(values, dims=("metric", "forecast", "channel", "lead_time"),
+                         attrs={"description": "RMSE and bias (channel units) and ACC by lead time, WeatherBench 2 "
+                                               "conventions (Rasp et al. 2024)"})
+    spectrum = xr.DataArray([[card.spectra[s][ch] for ch in card.channels] for s in SPECTRA],
+                            dims=("source", "channel", "lead_time", "wavenumber"),
+                            attrs={"description": "zonal power spectrum, mean over the rows within +-60 degrees "
+                                                  "(squared channel units)"})
+    blurring = xr.DataArray([card.blurring[ch] for ch in card.channels], dims=("channel", "lead_time"),
+                            attrs={"description": "forecast over truth power in the smallest resolved third of the "
+                                                  "zonal wavenumbers (1: sharp, toward 0: blurred)"})
+    return xr.Dataset({"skill": skill, "spectrum": spectrum, "blurring": blurring},
+                      coords={"metric": list(METRICS), "forecast": list(FORECASTS), "channel": card.channels,
+                              "lead_time": leads, "source": list(SPECTRA), "wavenumber": card.spectra["wavenumber"]},
+                      attrs={"initial_times": card.initial_times, "climatology": card.climatology})
+
+
+def write_scorecard(card, out: Path, channels: list[str], extra: dict, units: dict[str, str] | None = None,
+                    run: str | None = None, step: int | None = None) -> None:
+    """``scorecard.json``, ``scorecard.nc``, ``scorecard.png`` (RMSE, ACC and bias against lead) and ``spectra.png``
+    (``channels``' spectra at a few leads against the truth) in ``out``; figures titled with ``run`` and ``step``,
+    RMSE and bias labelled in ``units[channel]``.
+
+    Raises:
+        UserError: ``out`` cannot be created or written.
+    """
+    import matplotlib.pyplot as plt
+    payload = {**card.to_json(), **extra}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scorecard.json").write_text(json.dumps(payload, indent=2) + "\n")
+        scorecard_dataset(card).to_netcdf(out / "scorecard.nc")
+        for name, draw in (("scorecard.png", skill_figure), ("spectra.png", spectra_figure)):
+            fig = draw(payload, channels, units, run, step)
+            fig.savefig(out / name, dpi=100)
+            plt.close(fig)
+    except OSError as exc:
+        raise UserError(f"cannot write the scorecard to {out} ({exc.strerror or exc}); pass a writable --out") from None
+
+
+class ForecastWriter:
+    """Collects forecasts in physical units and writes them as netCDF (``--save_forecasts``).
+
+    The file holds ``forecast(init_time, lead_time, channel, latitude, longitude)`` float32, with
+    ``init_time`` the initial time (from the files' ``start_time`` and time step, in their calendar;
+    hours since the file's first step when it has no ``start_time``) and ``lead_time`` in ``lead_unit``.
+    """
+
+    def __init__(self, dataset, stats, names: list[str], latitude, leads: list[float], lead_unit: str = "hours"):
+        self.dataset, self.stats, self.names, self.latitude = dataset, stats, names, latitude
+        self.leads, self.lead_unit = leads, lead_unit
+        self.blocks, self.times = [], []
+
+    def add(self, inp, forecasts, tar, idx) -> None:
+        import torch
+        physical = torch.stack(forecasts, 1) * self.stats.std.unsqueeze(1) + self.stats.mean.unsqueeze(1)
+        self.blocks.append(physical.cpu().numpy())
+        for i in idx.tolist():
+            file_no, t = self.dataset.locate(i)
+            self.times.append(self.dataset.files[file_no].axis.time(t))
+
+    def write(self, path: Path) -> None:
+        """Write the collected forecasts to ``path`` (raises UserError when that fails)."""
+        import numpy as np
+        import xarray as xr
+        h, w = self.dataset.img_size
+        shape = (0, len(self.leads), len(self.names), h, w)
+        data = np.concatenate(self.blocks) if self.blocks else np.zeros(shape, np.float32)
+        da = xr.DataArray(data, name="forecast", dims=("init_time", "lead_time", "channel", "latitude", "longitude"),
+                          coords={"init_time": self.times, "lead_time": self.leads, "channel": self.names,
+                                  "latitude": np.asarray(self.latitude)[:h],
+                                  "longitude": self.dataset.files[0].axis.longitude},
+                          attrs={"units": "the physical units of each channel (those of the converted input)"})
+        da.lead_time.attrs["units"] = self.lead_unit
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            da.to_netcdf(path)
+        except OSError as exc:
+            raise UserError(f"cannot write {path} ({exc.strerror or exc}); pass a writable --out") from None
