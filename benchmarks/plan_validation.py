@@ -87,7 +87,7 @@ def zero3_shards(config: str, sizes: tuple[int, ...]) -> list[dict]:
     from utils.config.command_line import cli_config
     from training.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
     from training.loop.step import build_training_step
-    from training.tuner.planner import analytic_shard_bytes
+    from training.tuner.estimates import analytic_shard_bytes
 
     rows = []
     for n, rank in itertools.product(sizes, (0, 1)):

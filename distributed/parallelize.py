@@ -150,13 +150,6 @@ def gradient_factor(world: World) -> float:
     return float(world.cp)
 
 
-def uses_fsdp(parallel: ParallelConfig, world: World) -> bool:
-    """FSDP applies only with more than one data-parallel rank (one process trains unsharded); under
-    tensor/context parallelism, with more than one rank of ``dp x cp``."""
-    ranks = world.dp * (world.cp if world.model_parallel else 1)
-    return parallel.fsdp != "none" and ranks > 1
-
-
 def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
                          grad_accum_steps: int = 1) -> nn.Module:
     """Build the model with ``build()`` and parallelize it on ``world.device``.
@@ -170,8 +163,7 @@ def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionCo
     builds the full model and keeps its shards. A simulated rank (``distributed/simulate.py``) has no rank 0 to
     load from: under FSDP its shards stay uninitialized (its losses are meaningless anyway).
     """
-    fsdp_only = uses_fsdp(parallel, world) and not world.model_parallel
-    if not fsdp_only:
+    if not world.fsdp_only:
         return parallelize_model(build().to(world.device), parallel, precision, world, grad_accum_steps)
     simulated = is_simulated(world.env)  # one rank with no peers to load from: its weights stay uninitialized
     full = build().state_dict() if world.is_main and not simulated else {}
@@ -187,7 +179,7 @@ def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionCo
 def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
                       grad_accum_steps: int = 1) -> nn.Module:
     """Return the model to train: float8, parallelized, checkpointed, compiled and on ``world.device``."""
-    fsdp = uses_fsdp(parallel, world)
+    fsdp = world.uses_fsdp
     if precision.amp_mode == "fp8":
         apply_float8(model, precision, fsdp)
     if world.model_parallel:

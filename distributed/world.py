@@ -35,7 +35,9 @@ class World:
     """This process's place in the job and its device mesh.
 
     ``dp``, ``cp``, ``tp`` are the data-, context- and tensor-parallel sizes
-    (``dp * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard.
+    (``dp * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard; ``fsdp`` is the configured
+    ``--fsdp`` mode. The questions every mode-dependent piece asks (FSDP? DDP? model parallel?) are answered
+    here once (:attr:`model_parallel`, :attr:`uses_fsdp`, :attr:`fsdp_only`, :attr:`ddp`).
     ``meshes`` maps ``dp``, ``cp``, ``tp`` and ``hsdp`` (the 2D ``dp_replicate x dp_shard``
     mesh) to their device meshes; empty for one process.
     """
@@ -49,6 +51,7 @@ class World:
     meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     store: dist.Store | None = field(default=None, repr=False)
     channel: FailureChannel | None = field(default=None, repr=False)
+    fsdp: str = "none"
 
     @property
     def rank(self) -> int:
@@ -67,6 +70,23 @@ class World:
         """Whether tensor or context parallelism splits the model (its parameters are then DTensors on the ``tp``
         mesh, or for context parallelism alone plain tensors whose gradients are partial per ``cp`` rank)."""
         return self.tp > 1 or self.cp > 1
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether FSDP shards the model: ``--fsdp`` is set and there is more than one rank to shard over (``dp``;
+        under tensor/context parallelism ``dp x cp``); one process trains unsharded."""
+        ranks = self.dp * (self.cp if self.model_parallel else 1)
+        return self.fsdp != "none" and ranks > 1
+
+    @property
+    def fsdp_only(self) -> bool:
+        """FSDP over plain (non-DTensor) parameters: FSDP without tensor or context parallelism."""
+        return self.uses_fsdp and not self.model_parallel
+
+    @property
+    def ddp(self) -> bool:
+        """Plain DDP: more than one data-parallel rank, neither FSDP nor tensor/context parallelism."""
+        return self.dp > 1 and not self.uses_fsdp and not self.model_parallel
 
     def note_step(self, step: int) -> None:
         """Tell the failure watchdog the iteration this rank is at (its heartbeats and the line naming
@@ -146,7 +166,7 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
     tp, cp = parallel.tensor_parallel, parallel.context_parallel
     dp = data_parallel_size(env.world_size, parallel)
     if env.world_size == 1:
-        return World(env, device)
+        return World(env, device, fsdp=parallel.fsdp)
     store = None
     if is_simulated(env):
         start_fake_process_group(env.world_size, parallel.simulate_rank)
@@ -162,7 +182,7 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
         shard = parallel.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
                                                 else torch.cuda.device_count() or dp)
     meshes = build_meshes(device.type, env.world_size, tp, cp, parallel.parallel_order, shard)
-    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes, store)
+    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes, store, fsdp=parallel.fsdp)
 
 
 def broadcast_from_main(obj, world: World):

@@ -457,7 +457,7 @@ def _dp_worker(rank, world):
     for tp, cp, fsdp in [(2, 1, "zero3"), (1, 2, "zero3"), (1, 2, "none"), (2, 2, "none"), (2, 1, "none")]:
         meshes = build_meshes("cpu", 4, tp, cp, "tp-cp-dp", 0)
         dp = 4 // (tp * cp)
-        w = World(LaunchEnv(rank, 4), torch.device("cpu"), dp, cp, tp, meshes["dp"].get_local_rank(), meshes)
+        w = World(LaunchEnv(rank, 4), torch.device("cpu"), dp, cp, tp, meshes["dp"].get_local_rank(), meshes, fsdp=fsdp)
         par = ParallelConfig(fsdp=fsdp, tensor_parallel=tp, context_parallel=cp, fsdp_reduce_dtype="param")
         ref = _vit((12, 20), 3, torch.float64)
         model = parallelize_model(copy.deepcopy(ref), par, PrecisionConfig(), w)

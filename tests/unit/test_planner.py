@@ -19,7 +19,9 @@ from utils.config.validate import Launch, validate
 from utils.core.errors import UserError
 from training.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
 from training.loop.step import build_training_step
-from training.tuner.planner import NCCL_BUFFSIZE_DEFAULT, distinct_ranks, dry_run, nccl_allowance
+from training.tuner.dry_run import dry_run
+from training.tuner.estimates import NCCL_BUFFSIZE_DEFAULT, nccl_allowance
+from training.tuner.rank_plan import distinct_ranks
 from training.tuner.report import PARTS, plan_table, submit_line
 from training.tuner.tune import without_tuner_keys
 

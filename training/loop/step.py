@@ -17,7 +17,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 
 from utils.precision.float8 import float8_step_hook, log_fp8_advice
-from distributed.parallelize import build_parallel_model, gradient_factor, gradient_sync, uses_fsdp
+from distributed.parallelize import build_parallel_model, gradient_factor, gradient_sync
 from utils.precision.amp import AMP_DTYPES
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
@@ -169,11 +169,10 @@ def check_host_memory(cfg: Config, world: World) -> None:
         return
     n = count_parameters(cfg)
     ranks = world.env.local_world_size
-    fsdp_only = uses_fsdp(cfg.parallel, world) and not world.model_parallel
-    needed = 4 * n * (1 if fsdp_only else ranks)
+    needed = 4 * n * (1 if world.fsdp_only else ranks)
     if world.device.type == "cpu":
-        trained = 16 * n * ranks // (world.dp if fsdp_only else 1)
-        needed = needed + trained if fsdp_only else trained
+        trained = 16 * n * ranks // (world.dp if world.fsdp_only else 1)
+        needed = needed + trained if world.fsdp_only else trained
     if needed > available:
         count = f"{n / 1e9:,.1f} billion" if n >= 1e9 else f"{n / 1e6:,.1f} million"
         raise UserError(f"the model has {count} parameters: {ranks} rank(s) on this host need at least "
@@ -212,4 +211,4 @@ def training_step(cfg: Config, world: World, model: torch.nn.Module) -> Training
     return TrainingStep(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt)),
                         torch.amp.GradScaler(world.device.type, enabled=prec.amp_mode == "fp16"), loss_fn,
                         AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
-                        float8_step_hook(model, prec, uses_fsdp(cfg.parallel, world)), gradient_factor(world))
+                        float8_step_hook(model, prec, world.uses_fsdp), gradient_factor(world))
