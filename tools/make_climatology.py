@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from utils.core.errors import ArgumentParser, UserError, run_cli
-from utils.data.climatology import WINDOW_DAYS, make_climatology
+from utils.data.climatology import WINDOW_DAYS
+from utils.preprocess.climatology_builder import make_climatology
 
 
 def build_parser() -> ArgumentParser:

@@ -24,7 +24,8 @@ import torch
 import xarray as xr
 
 from utils.core.errors import UserError
-from utils.data.climatology import Climatology, ClimatologyAccumulator, window_weights
+from utils.data.climatology import Climatology
+from utils.preprocess.climatology_builder import ClimatologyAccumulator, window_weights
 from utils.data.dataset import ERA5Dataset
 from utils.preprocess.synthetic_dataset import make_synthetic_dataset
 from utils.data.layout import CLIMATOLOGY

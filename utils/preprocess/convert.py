@@ -27,7 +27,7 @@ from utils.core.errors import one_line
 from utils.data import layout
 from utils.data.layout import LayoutError
 from utils.preprocess.formats import open_input
-from utils.data.climatology import ClimatologyAccumulator, climatology_fits
+from utils.preprocess.climatology_builder import ClimatologyAccumulator, climatology_fits
 from utils.preprocess.convert_plan import MEMBER_DIM, Channel, OutputFile, Plan, make_plan, parse_select, run_lengths  # noqa: F401
 from utils.preprocess.writer import FieldFileWriter, StatsAccumulator, format_stats
 

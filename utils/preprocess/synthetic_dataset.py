@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from utils.data import layout
-from utils.data.climatology import ClimatologyAccumulator, climatology_fits
+from utils.preprocess.climatology_builder import ClimatologyAccumulator, climatology_fits
 from utils.preprocess.writer import FieldFileWriter, StatsAccumulator, format_stats
 
 # the 20 channels of the NERSC ViT/ERA5 tutorial, in its order
