@@ -6,18 +6,13 @@
 * :func:`load_checkpoint_model`: the plain model of a run's config with the weights of one of its
   checkpoints (sharded or single-file), on the CPU, without torch.distributed;
 * :func:`export_model`: a run's sharded checkpoint as one such file (``python -m tools.export_model``);
-* :func:`package_meta`: what makes such a file self-contained (a "model package", as makani saves one): the
-  config section by section, normalization statistics, channel names and units, grid, time step and calendar,
-  and the climatology when small (else a note). All plain data, so ``torch.load(weights_only=True)`` reads it and
-  ``training.evaluation.forecast.Forecaster.from_file`` forecasts with nothing else (docs/python-api.md).
+* what makes such a file self-contained (its "model package") is ``networks/model_file.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -27,95 +22,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from distributed.checkpoint.folder import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
                                           read_checksums, save_file, step_folder, step_folders)
-from distributed.checkpoint.storage import SafeReader, load_plain, mismatched_file
+from distributed.checkpoint.storage import SafeReader, mismatched_file
 from distributed.checkpoint.views import ViewLoadPlanner
 from distributed.tensor_parallel import checkpoint_views
 from networks.vit import build_model
 from utils.config.loading import load_run_config
-from utils.config.schema import SECTIONS, Config
-from utils.config.types import plain
+from utils.config.schema import Config
 from utils.core.errors import UserError
-from utils.data.layout import DEFAULT_STEP_HOURS, resolve_data_path
-from utils.data.metadata import equiangular_latitudes, read_channel_units
-from utils.data.stats import Stats
-from utils.data.timestep import TimeStep
-
-FINAL_MODEL = "model.pt"  # the trainer's single-file model at the end of a run
-
-
-PACKAGE_FORMAT = "era5-vit model package 1"
-
-
-CLIMATOLOGY_MAX_BYTES = 16 << 20  # a climatology up to this size travels inside the model file
-
-
-def config_sections(cfg: Config) -> dict:
-    """``{"name": ..., "model": {key: value}, "data": {...}, ...}``: the config section by section, plain values."""
-    return {"name": cfg.name, **{section: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, section)).items()}
-                                 for section in SECTIONS}}
-
-
-def package_meta(cfg: Config, data=None) -> dict:
-    """Everything a model file holds besides the weights, as plain data (tensors, numbers, strings, lists, dicts).
-
-    ``data``: the run's ``utils.data.loaders.Data`` (the trainer passes it); without it the data folder of
-    ``cfg.data.data_path`` is read (a relative path found as ``evaluate.py`` finds it). Keys: ``format``,
-    ``config`` (:func:`config_sections`), ``channels``, ``channel_units``, ``normalization`` (``mean``/``std``
-    float32 ``(C,)``), ``grid`` (``latitude`` ``(H,)``/``longitude`` ``(W,)`` float64 degrees), ``time``
-    (``step``, ``unit``, ``dt``, ``calendar``, ``step_hours``), ``climatology`` (``values`` float32 ``(D, K, C,
-    H, W)``, ``hour``, ``calendar``, ``window_days``, ``description``; or ``note`` saying why not).
-
-    Raises:
-        UserError: the data folder's statistics or files cannot be read.
-    """
-    c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
-    if data is None and cfg.data.data_loader_config != "synthetic":
-        data = _read_data(cfg)
-    dataset = getattr(data, "train_dataset", None)
-    stats = data.stats if data is not None else Stats.identity(c, (h, w), "cpu")
-    names = list(data.channel_names) if data is not None else [f"c{i}" for i in range(c)]
-    lat = data.latitude if data is not None else equiangular_latitudes(h)
-    axis = dataset.files[0].axis if dataset is not None else None
-    step = axis.step if axis is not None else TimeStep.from_hours(DEFAULT_STEP_HOURS)
-    return {"format": PACKAGE_FORMAT, "config": config_sections(cfg), "channels": names,
-            "channel_units": read_channel_units(dataset.files[0].path, c) if dataset is not None else [""] * c,
-            "normalization": {"mean": stats.mean.detach().cpu().reshape(-1).clone(),
-                              "std": stats.std.detach().cpu().reshape(-1).clone()},
-            "grid": {"latitude": torch.as_tensor(np.asarray(lat, dtype=np.float64)[:h]),
-                     "longitude": torch.as_tensor(axis.longitude if axis is not None
-                                                  else np.linspace(0, 360, w, endpoint=False))},
-            "time": {"step": float(step.value), "unit": step.unit, "dt": cfg.data.dt,
-                     "calendar": axis.calendar if axis is not None else "standard",
-                     "step_hours": step.hours(axis.calendar if axis is not None else "standard")},
-            "climatology": _climatology(stats.climatology)}
-
-
-def _read_data(cfg: Config):
-    """The parts of the run's data a package needs, read from the data folder (no loader built)."""
-    from types import SimpleNamespace
-
-    from utils.data.dataset import ERA5Dataset
-    from utils.data.metadata import read_metadata
-    root = resolve_data_path(cfg.data.data_path)
-    c, img = cfg.data.n_in_channels, tuple(cfg.data.img_size)
-    dataset = ERA5Dataset(root / "train", c, img, cfg.data.dt)
-    names, lat = read_metadata(dataset.files[0].path, c, img[0])
-    return SimpleNamespace(stats=Stats.load(root / "stats", c, img, "cpu"), channel_names=names, latitude=lat,
-                           train_dataset=dataset)
-
-
-def _climatology(clim) -> dict:
-    if clim is None:
-        return {"note": "the data have no stats/climatology.h5: ACC and the climatology baseline use the time mean"}
-    size = int(np.prod(clim.shape[:3])) * clim.img_size[0] * clim.img_size[1] * 4
-    if size > CLIMATOLOGY_MAX_BYTES:
-        return {"note": f"not included ({size / 2 ** 20:.0f} MiB, more than {CLIMATOLOGY_MAX_BYTES >> 20} MiB): it is "
-                        f"{clim.path} of the training data (python -m tools.make_climatology makes it)"}
-    cells = np.arange(clim.shape[0] * clim.shape[1])
-    values = clim.read(cells).reshape(*clim.shape[:3], *clim.img_size)
-    return {"values": torch.from_numpy(values), "hour": torch.as_tensor(clim.hours), "calendar": clim.calendar,
-            "window_days": clim.window, "description": clim.describe()}
-
+from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, config_sections, package_meta
+from utils.core.safe_load import load_plain
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) CPU state dict in the plain model's names and shapes, on rank 0 (other ranks get an

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed.checkpoint.export import FINAL_MODEL, save_full_model
+from distributed.checkpoint.export import save_full_model
+from networks.model_file import FINAL_MODEL
 from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.world import World, all_reduce
 from utils.config.schema import CheckpointConfig

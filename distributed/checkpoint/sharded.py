@@ -24,18 +24,19 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distributed.checkpoint.folder import (CHECKSUMS, DISK_FIX, LATEST, read_checksums, describe_exception, folder_step, load_candidates,
-                                          named_latest, os_error, read_latest, resolve_checkpoint, step_folder,
-                                          step_folders, is_complete, write_failed)
+from distributed.checkpoint.folder import (CHECKSUMS, DISK_FIX, LATEST, describe_exception, folder_step, is_complete,
+                                           load_candidates, named_latest, os_error, read_checksums, read_latest,
+                                           resolve_checkpoint, step_folder, step_folders, write_failed)
 from distributed.checkpoint.staging import HostStager
-from distributed.checkpoint.storage import (HASH, WRITE_THREADS, CheckedWriter, SafeReader, UnsafeCheckpoint,
-                                            load_plain, mismatched_file, write_hashed)
+from distributed.checkpoint.storage import HASH, WRITE_THREADS, CheckedWriter, SafeReader, mismatched_file, write_hashed
 from distributed.checkpoint.views import ViewLoadPlanner, ViewSavePlanner
 from distributed.tensor_parallel import checkpoint_views
 from distributed.world import World, main_decides
 from utils.config.schema import CheckpointConfig
 from utils.core.errors import UserError
 from utils.core.files import write_atomic, write_json_atomic
+from utils.core.errors import UnsafeCheckpoint
+from utils.core.safe_load import load_plain
 
 log = logging.getLogger(__name__)
 UNSAFE = "unsafe: "  # marks a rank's load error that must not fall back to an older checkpoint

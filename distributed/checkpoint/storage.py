@@ -28,13 +28,11 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from distributed.checkpoint.folder import CHECKSUMS, METADATA, os_error
 from utils.core.errors import UserError
 from utils.core.files import write_atomic
+from utils.core.errors import UnsafeCheckpoint
+from utils.core.safe_load import load_plain
 
 WRITE_THREADS = 8  # per rank
 HASH = "sha256"  # hashlib's name of the checkpoint files' checksum
-
-
-class UnsafeCheckpoint(UserError):
-    """A checkpoint file holds something that loading would have to run: it is refused, nothing is loaded."""
 
 
 class HashingStream(io.RawIOBase):
@@ -244,33 +242,6 @@ def check_model_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> No
         raise UserError(f"checkpoint {folder} does not fit this config's model: {'; '.join(problems[:3])}; resume "
                         "from a checkpoint of the same model (embed_dim, depth, channels, img_size, patch_size) or "
                         "pass --resume never")
-
-
-def _numpy_array_globals() -> list:
-    """What a pickled NumPy array refers to (``ndarray``, its rebuild function, dtypes): data, no code. Checkpoints
-    written before random states were plain data hold NumPy's generator state as such an array."""
-    import numpy as np
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-def load_plain(path: Path) -> Any:
-    """``torch.load`` of one of our own files (``rank<r>.pt``, ``model.pt``) with ``weights_only=True``: tensors,
-    numbers, strings, lists, tuples, dicts (and NumPy arrays, which older files hold), never code.
-
-    Raises:
-        UnsafeCheckpoint: the file holds something else (a crafted file), naming the file.
-        UserError: the file cannot be read (damaged, truncated).
-    """
-    try:
-        with torch.serialization.safe_globals(_numpy_array_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        detail = " ".join(str(exc).split()).split("Check the recommended steps")[0][:300]
-        raise UnsafeCheckpoint(f"{path} holds more than plain data ({detail}): loading it could run code, so it is "
-                               "refused; use a checkpoint you trust") from None
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise UserError(f"cannot read {path} ({' '.join(str(exc).split())[:200]}); the file is damaged") from None
 
 
 def file_digest(path: Path, chunk: int = 16 << 20) -> str:

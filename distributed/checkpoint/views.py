@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from distributed.checkpoint.storage import UnsafeCheckpoint
 from distributed.world import local_tensor
+from utils.core.errors import UnsafeCheckpoint
 
 # a box of a tensor: (offsets, sizes) per dimension
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed.checkpoint.export import config_sections
+from networks.model_file import config_sections
 from distributed.checkpoint.folder import LATEST, step_folder
 from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.checkpoint.storage import CheckedWriter

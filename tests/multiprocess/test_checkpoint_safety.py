@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from distributed.checkpoint.folder import CHECKSUMS, LATEST, METADATA
-from distributed.checkpoint.storage import (METADATA_CLASSES, RestrictedUnpickler, UnsafeCheckpoint,
-                                            check_model_shapes, load_plain)
+from distributed.checkpoint.storage import METADATA_CLASSES, RestrictedUnpickler, check_model_shapes
 from networks.vit import VisionTransformer
 from tests.multiprocess.test_checkpoint import SMALL, LOGGER, assert_same, make_run, make_world, snapshot, train
 from utils.core.errors import UserError
+from utils.core.errors import UnsafeCheckpoint
+from utils.core.safe_load import load_plain
 
 
 class Evil:

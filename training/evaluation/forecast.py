@@ -21,14 +21,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distributed.checkpoint.export import FINAL_MODEL, PACKAGE_FORMAT, load_checkpoint_model, package_meta
-from distributed.checkpoint.storage import load_plain
+from distributed.checkpoint.export import load_checkpoint_model
 from utils.precision.amp import AMP_DTYPES
+from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, package_meta
 from networks.vit import build_model
 from utils.config.loading import load_run_config
 from utils.config.schema import KEYS, Config
 from utils.config.types import coerce
 from utils.core.errors import UserError
+from utils.core.safe_load import load_plain
 from utils.data.layout import FIELDS
 from utils.data.metadata import read_metadata, read_time_axis
 from utils.data.timestep import TimeStep
@@ -61,7 +62,7 @@ class Forecaster:
 
     Args:
         model: the plain network (``networks.vit.build_model``) with its weights.
-        package: the model file's metadata (:func:`distributed.checkpoint.export.package_meta`).
+        package: the model file's metadata (:func:`networks.model_file.package_meta`).
         device: where to run (``"cpu"``, ``"cuda"``, a ``torch.device``).
         step: the optimizer step of the weights (None when unknown).
 

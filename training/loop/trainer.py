@@ -31,11 +31,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distributed.checkpoint.export import package_meta
 from distributed.checkpoint.folder import resolve_checkpoint
 from distributed.checkpoint.manager import CheckpointManager
 from distributed.checkpoint.staging import register_pinned_memory
 from distributed.checkpoint.storage import check_model_shapes
+from networks.model_file import package_meta
 from utils.precision.amp import AMP_DTYPES
 from distributed.simulate import is_simulated, notice
 from distributed.world import World, all_reduce, main_decides

@@ -123,3 +123,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message}; see --help\n")
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint file holds something that loading would have to run: it is refused, nothing is loaded."""

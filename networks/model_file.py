@@ -1,0 +1,97 @@
+"""The model as one self-contained file (``model.pt``, a "model package", as makani saves one): the weights in
+the single-GPU layout and names, and :func:`package_meta`: the config section by section, normalization
+statistics, channel names and units, grid, time step and calendar, and the climatology when small (else a note).
+All plain data, so ``torch.load(weights_only=True)`` (``utils/core/safe_load.py``) reads it and
+``training.evaluation.forecast.Forecaster.from_file`` forecasts with nothing else (docs/python-api.md). Writing
+one from a parallel run (gathering the shards) is ``distributed/checkpoint/export.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from utils.config.schema import SECTIONS, Config
+from utils.config.types import plain
+from utils.data.layout import DEFAULT_STEP_HOURS, resolve_data_path
+from utils.data.metadata import equiangular_latitudes, read_channel_units
+from utils.data.stats import Stats
+from utils.data.timestep import TimeStep
+
+FINAL_MODEL = "model.pt"  # the trainer's single-file model at the end of a run
+
+
+PACKAGE_FORMAT = "era5-vit model package 1"
+
+
+CLIMATOLOGY_MAX_BYTES = 16 << 20  # a climatology up to this size travels inside the model file
+
+
+def config_sections(cfg: Config) -> dict:
+    """``{"name": ..., "model": {key: value}, "data": {...}, ...}``: the config section by section, plain values."""
+    return {"name": cfg.name, **{section: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, section)).items()}
+                                 for section in SECTIONS}}
+
+
+def package_meta(cfg: Config, data=None) -> dict:
+    """Everything a model file holds besides the weights, as plain data (tensors, numbers, strings, lists, dicts).
+
+    ``data``: the run's ``utils.data.loaders.Data`` (the trainer passes it); without it the data folder of
+    ``cfg.data.data_path`` is read (a relative path found as ``evaluate.py`` finds it). Keys: ``format``,
+    ``config`` (:func:`config_sections`), ``channels``, ``channel_units``, ``normalization`` (``mean``/``std``
+    float32 ``(C,)``), ``grid`` (``latitude`` ``(H,)``/``longitude`` ``(W,)`` float64 degrees), ``time``
+    (``step``, ``unit``, ``dt``, ``calendar``, ``step_hours``), ``climatology`` (``values`` float32 ``(D, K, C,
+    H, W)``, ``hour``, ``calendar``, ``window_days``, ``description``; or ``note`` saying why not).
+
+    Raises:
+        UserError: the data folder's statistics or files cannot be read.
+    """
+    c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
+    if data is None and cfg.data.data_loader_config != "synthetic":
+        data = _read_data(cfg)
+    dataset = getattr(data, "train_dataset", None)
+    stats = data.stats if data is not None else Stats.identity(c, (h, w), "cpu")
+    names = list(data.channel_names) if data is not None else [f"c{i}" for i in range(c)]
+    lat = data.latitude if data is not None else equiangular_latitudes(h)
+    axis = dataset.files[0].axis if dataset is not None else None
+    step = axis.step if axis is not None else TimeStep.from_hours(DEFAULT_STEP_HOURS)
+    return {"format": PACKAGE_FORMAT, "config": config_sections(cfg), "channels": names,
+            "channel_units": read_channel_units(dataset.files[0].path, c) if dataset is not None else [""] * c,
+            "normalization": {"mean": stats.mean.detach().cpu().reshape(-1).clone(),
+                              "std": stats.std.detach().cpu().reshape(-1).clone()},
+            "grid": {"latitude": torch.as_tensor(np.asarray(lat, dtype=np.float64)[:h]),
+                     "longitude": torch.as_tensor(axis.longitude if axis is not None
+                                                  else np.linspace(0, 360, w, endpoint=False))},
+            "time": {"step": float(step.value), "unit": step.unit, "dt": cfg.data.dt,
+                     "calendar": axis.calendar if axis is not None else "standard",
+                     "step_hours": step.hours(axis.calendar if axis is not None else "standard")},
+            "climatology": _climatology(stats.climatology)}
+
+
+def _read_data(cfg: Config):
+    """The parts of the run's data a package needs, read from the data folder (no loader built)."""
+    from types import SimpleNamespace
+
+    from utils.data.dataset import ERA5Dataset
+    from utils.data.metadata import read_metadata
+    root = resolve_data_path(cfg.data.data_path)
+    c, img = cfg.data.n_in_channels, tuple(cfg.data.img_size)
+    dataset = ERA5Dataset(root / "train", c, img, cfg.data.dt)
+    names, lat = read_metadata(dataset.files[0].path, c, img[0])
+    return SimpleNamespace(stats=Stats.load(root / "stats", c, img, "cpu"), channel_names=names, latitude=lat,
+                           train_dataset=dataset)
+
+
+def _climatology(clim) -> dict:
+    if clim is None:
+        return {"note": "the data have no stats/climatology.h5: ACC and the climatology baseline use the time mean"}
+    size = int(np.prod(clim.shape[:3])) * clim.img_size[0] * clim.img_size[1] * 4
+    if size > CLIMATOLOGY_MAX_BYTES:
+        return {"note": f"not included ({size / 2 ** 20:.0f} MiB, more than {CLIMATOLOGY_MAX_BYTES >> 20} MiB): it is "
+                        f"{clim.path} of the training data (python -m tools.make_climatology makes it)"}
+    cells = np.arange(clim.shape[0] * clim.shape[1])
+    values = clim.read(cells).reshape(*clim.shape[:3], *clim.img_size)
+    return {"values": torch.from_numpy(values), "hour": torch.as_tensor(clim.hours), "calendar": clim.calendar,
+            "window_days": clim.window, "description": clim.describe()}
