@@ -102,7 +102,7 @@ def detect_launch(environ=os.environ) -> LaunchEnv:
 
 
 def validation_launch(env: LaunchEnv) -> Launch:
-    """What :func:`utils.schema.validate` checks the config against: the world size, whether a CUDA GPU is
+    """What :func:`utils.config.validate.validate` checks the config against: the world size, whether a CUDA GPU is
     visible and the compute capability of the one this rank will train on (``cuda:<local rank>``; the first
     when there are fewer GPUs, which :func:`select_device` then refuses)."""
     if not torch.cuda.is_available():

@@ -69,7 +69,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
     the matmul/attention outputs of every block and recomputes the rest
     (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 
-    ``blocks`` must not exceed the depth (``utils.schema.validate`` checks it).
+    ``blocks`` must not exceed the depth (``utils.config.validate.validate`` checks it).
     """
     if mode == "none":
         return

@@ -231,7 +231,7 @@ def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
     """Yield the :class:`World`; make every rank stop, with one line, as soon as any rank fails or
     stops answering.
 
-    A :class:`distributed.rendezvous.FailureChannel` watches the job's store: an exception on one
+    A :class:`distributed.failure.FailureChannel` watches the job's store: an exception on one
     rank is published before it propagates, and the other ranks print it and exit (status 2)
     instead of waiting in their next collective. A rank without a heartbeat for
     :data:`SILENCE_SHARE` of ``collective_timeout_s`` (stopped, frozen, node lost) stops the job

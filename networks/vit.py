@@ -209,7 +209,7 @@ class VisionTransformer(nn.Module):
 
 
 def build_model(model, data) -> VisionTransformer:
-    """Build the network named by ``model.nettype`` (a ``utils.schema.ModelConfig``) for the grid and
+    """Build the network named by ``model.nettype`` (a ``utils.config.schema.ModelConfig``) for the grid and
     channels of ``data`` (a ``DataConfig``: ``img_size``, ``n_in_channels``, ``n_out_channels``).
 
     Raises:

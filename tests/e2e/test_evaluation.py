@@ -1,4 +1,4 @@
-"""Rollout evaluation (training/evaluation.py, evaluate.py, the trainer's --valid_rollout_steps).
+"""Rollout evaluation (training/evaluation/, evaluate.py, the trainer's --valid_rollout_steps).
 
 * rollouts feed the model its own forecasts (also inside :func:`score_rollouts`);
 * :class:`SkillSums` / :class:`Scorecard` against an independent xarray reference with WeatherBench 2

@@ -1,5 +1,5 @@
 """Out of memory: a ``torch.OutOfMemoryError`` in a phase of training ends every rank of the job with one
-line naming the rank, phase, local batch and remedies, and a status of its own (utils/memory.py)."""
+line naming the rank, phase, local batch and remedies, and a status of its own (training/monitor/oom.py)."""
 
 import re
 import time

@@ -93,7 +93,7 @@ def run_rank(scenario: str) -> None:
         os._exit(2)  # skip interpreter shutdown with a broken gloo group
     finish(store, channel, rank, world_size, timeout_s=20)
     dist.destroy_process_group()
-    time.sleep(0.05)  # gloo's threads release their last work (see distributed.env.shutdown)
+    time.sleep(0.05)  # gloo's threads release their last work (see distributed.world.shutdown)
 
 
 # ---------------------------------------------------------------- helpers for the tests

@@ -130,7 +130,7 @@ def test_submit_pm_tiny_on_slurm(slurm_cluster, tiny_data, tmp_path):
     # submit_pm.sh echoes the resolved command; user args come after the defaults
     assert "command: srun -u" in text, diag
     assert re.search(r"--expdir \S+ --config=tiny", text), diag
-    # both ranks of one 2-process job started: the trainer (utils/trainer.py) logs
+    # both ranks of one 2-process job started: the trainer (training/loop/trainer.py) logs
     # "rank 0/2 on cpu (launcher slurm): ..." on rank 0 and prints "rank 1/2 on cpu ready" on the others
     assert re.search(r"\brank 0/2 on \S+ \(launcher slurm\)", text), f"no start line of rank 0:\n{diag}"
     assert re.search(r"\brank 1/2 on \S+", text), f"no start line of rank 1:\n{diag}"

@@ -1,4 +1,4 @@
-"""The batch-size tuner on the real setup (utils/tuning.py, tools/tune_batch_size.py) and ``train.py
+"""The batch-size tuner on the real setup (training/tuner/tune.py, tools/tune_batch_size.py) and ``train.py
 --local_batch_size auto``: real CPU runs of the tool with a memory budget (peak RSS standing in for
 reserved memory), its arguments training, OOM recovery in one process, an OOM on one of two gloo ranks
 stopping both and the rerun continuing from the journal, and a resumed auto run keeping its batch."""

@@ -1,4 +1,4 @@
-"""The memory profiling window (utils/memory_profile.py): activation counter against hand counts, the files and
+"""The memory profiling window (training/monitor/memory_profile.py): activation counter against hand counts, the files and
 their keys on CPU, the FSDP2 module table on two gloo ranks, and nothing installed outside the window."""
 
 from __future__ import annotations

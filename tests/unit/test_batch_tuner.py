@@ -1,4 +1,4 @@
-"""The batch-size tuner's search core (utils/batch_tuner.py) against a fake step with a memory model: the
+"""The batch-size tuner's search core (training/tuner/search.py) against a fake step with a memory model: the
 boundary within the promised number of trials, the choices, the deadline, the agreement of two gloo ranks,
 the learning-rate rule, the train.py arguments and the report files."""
 

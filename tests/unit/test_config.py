@@ -1,4 +1,4 @@
-"""Tests of the typed config (utils/schema.py, utils/config.py) and config/ViT.yaml, plus the batch-size and
+"""Tests of the typed config (utils/config/schema.py, utils/config/loading.py) and config/ViT.yaml, plus the batch-size and
 lr-schedule helpers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of utils/data_loader.py on small HDF5 files whose values encode where they came from."""
+"""Tests of the data loaders (utils/data/loaders.py, native.py) on small HDF5 files whose values encode where they came from."""
 
 from __future__ import annotations
 

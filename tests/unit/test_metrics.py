@@ -1,4 +1,4 @@
-"""Tests of utils/metrics.py against plain NumPy and xarray reference implementations (float64)."""
+"""Tests of training/evaluation/metrics.py against plain NumPy and xarray reference implementations (float64)."""
 
 from __future__ import annotations
 

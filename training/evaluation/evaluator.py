@@ -153,7 +153,7 @@ class Evaluator(Component):
 
 
 def checked_latitude_weights(latitude, device: torch.device) -> torch.Tensor:
-    """:func:`utils.metrics.latitude_weights` with a one-line error for latitudes that cannot weight scores.
+    """:func:`training.evaluation.metrics.latitude_weights` with a one-line error for latitudes that cannot weight scores.
 
     Raises:
         UserError: latitudes not strictly monotonic, or fewer than two rows.

@@ -1,7 +1,7 @@
 """The optimizer step and what it needs (parallel model, Adam, schedule, GradScaler, loss), built from
 the config.
 
-The trainer runs it for training; the batch-size tuner (``utils/tuning.py``) builds one per candidate
+The trainer runs it for training; the batch-size tuner (``training/tuner/tune.py``) builds one per candidate
 batch and times it, so the tuner measures exactly the step training runs.
 """
 

@@ -1,7 +1,7 @@
 """Memory profiling over a window of training steps (``--memory_profile``): where every byte goes, per rank.
 
 The window is steps ``memory_profile_start_step .. + memory_profile_steps - 1`` of epoch
-``memory_profile_epoch`` (0-based, like the Nsight window of ``utils/profiling.py``). Outside it
+``memory_profile_epoch`` (0-based, like the Nsight window of ``training/monitor/profiling.py``). Outside it
 :meth:`MemoryProfiler.step` returns a ``contextlib.nullcontext``: no hooks, no allocator history,
 no synchronization. Inside it every rank writes, under ``<run_dir>/memory/rank<r>/``:
 

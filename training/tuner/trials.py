@@ -1,9 +1,9 @@
 """The batch-size tuner on the real setup: one trial per local batch, in this process, on every rank.
 
-A trial builds the training step exactly as training does (``utils/train_step.py``: DDP, FSDP,
+A trial builds the training step exactly as training does (``training/loop/step.py``: DDP, FSDP,
 TP/CP, AC, AMP, compile), runs ``tune_warmup_steps`` steps (compilation happens there), then times
 ``tune_steps`` steps and reads the allocator's counters over those steps only. The search, the
-agreement of all ranks on each verdict and the report are ``utils/batch_tuner.py``'s.
+agreement of all ranks on each verdict and the report are ``search.py``'s and ``report.py``'s.
 
 Out of memory. With one process (also a simulated rank of a larger job, ``distributed/simulate.py``: it has no
 peers), an OOM is caught: the trial is recorded as failed, the model,
@@ -107,7 +107,7 @@ class _Counters:
 
 
 class BatchTrials:
-    """``run_trial`` for :func:`utils.batch_tuner.search`: measures one local batch on this rank.
+    """``run_trial`` for :func:`training.tuner.search.search`: measures one local batch on this rank.
 
     Trials found in ``journal`` (a previous attempt of the same tuning) are returned as recorded;
     every other one is measured and then recorded there by rank 0.

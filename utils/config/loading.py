@@ -5,7 +5,7 @@ allowed). The command line overrides any key as ``--key value``, ``--key=value``
 (true) or a list ``--img_size [360,720]``. Every value is converted to the type the schema declares,
 whatever its YAML spelling, and checked; a bad one is a :class:`UserError` naming the key, the place
 it came from and the fix. ``--help [KEY]``, ``--list-configs`` and ``--print-config`` are answered by
-:func:`cli_config` with the text of ``utils/config/help.py``.
+:func:`cli_config` (``utils/config/command_line.py``).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ RANK_OR_ALL_DISTINCT = Check(f">= 0 or {ALL_DISTINCT}", lambda v: v == ALL_DISTI
 class ModelConfig:
     """The network (``networks/``)."""
 
-    nettype: Literal["VisionTransformer"] = key("VisionTransformer", "model class in networks.MODELS")
+    nettype: Literal["VisionTransformer"] = key("VisionTransformer", "model class in networks.vit.MODELS")
     embed_dim: int = key(384, "transformer width D", AT_LEAST_1)
     depth: int = key(12, "number of transformer blocks", AT_LEAST_1)
     num_heads: int = key(8, "attention heads; must divide embed_dim", AT_LEAST_1)
@@ -59,7 +59,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Data layout, samples and loaders (``utils/data_loader.py``, ``utils/dali_loader.py``)."""
+    """Data layout, samples and loaders (``utils/data/loaders.py``, ``utils/data/dali.py``)."""
 
     data_path: str = key("/data", "data root: train/, valid/ and stats/ (docs/data.md)")
     img_size: tuple[int, int] = key((360, 720), "(H, W) crop from the north-west corner, grid points",
@@ -76,7 +76,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """Batch sizes, optimizer, schedule and seed (``utils/trainer.py``)."""
+    """Batch sizes, optimizer, schedule and seed (``training/loop/trainer.py``)."""
 
     global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks", AT_LEAST_1)
     local_batch_size: Optional[Union[int, Literal["auto"]]] = key(
@@ -150,7 +150,7 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints, resume and the model export (``distributed/checkpoint.py``)."""
+    """Sharded checkpoints, resume and the model export (``distributed/checkpoint/``)."""
 
     save_checkpoint: bool = key(True, "write sharded checkpoints and, at the end, checkpoints/model.pt")
     checkpoint_every_steps: int = key(0, "also checkpoint every N optimizer steps (0: by time and at the end only)",
@@ -180,7 +180,7 @@ class LoggingConfig:
 
 @dataclass
 class MemoryConfig:
-    """The memory profiling window and OOM handling (``utils/memory.py``, ``utils/memory_profile.py``)."""
+    """The memory profiling window and OOM handling (``training/monitor/oom.py``, ``training/monitor/memory_profile.py``)."""
 
     memory_profile: bool = key(False, "profile memory over a window of steps into <run_dir>/memory/rank<r>/")
     memory_profile_epoch: int = key(0, "0-based epoch of the memory profiling window", NON_NEGATIVE)

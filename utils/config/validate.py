@@ -18,7 +18,7 @@ from utils.core.files import check_output_path
 class Launch:
     """What validation needs to know about the job: its world size, whether a CUDA GPU is visible and that
     GPU's compute capability ``(major, minor)``, e.g. ``(9, 0)`` for Hopper (None: no GPU; the entry points
-    fill it from ``distributed.env.validation_launch``)."""
+    fill it from ``distributed.launch.validation_launch``)."""
 
     world_size: int = 1
     cuda: bool = False

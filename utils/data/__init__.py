@@ -1,3 +1,4 @@
-"""The data side: the on-disk layout and its readers and writers, the ERA5 dataset and its statistics,
-the native, DALI and synthetic loaders behind one ``Batches`` protocol (``loaders.py``), the converter
-and the synthetic-data generator."""
+"""Reading data: the on-disk layout (``layout.py``, ``metadata.py``, ``timestep.py``), the ERA5 dataset and its
+statistics and climatology (``dataset.py``, ``stats.py``, ``climatology.py``), and the native, DALI and synthetic
+loaders behind one ``Batches`` protocol (``loaders.py``, ``native.py``, ``dali.py``, ``synthetic_loader.py``).
+Making datasets is ``utils/preprocess/``."""

@@ -16,7 +16,7 @@ Everything else keeps higher precision, under bf16 autocast as with ``--amp_mode
 * the loss and the optimizer: fp32, whose dynamic range the updates and the loss reduction need.
 
 On the GPU ``torch._scaled_mm`` takes only GEMMs whose inner dim and output width are multiples of 16.
-The layer widths are (``utils.schema`` checks embed_dim and the MLP width); the weight-gradient GEMM's inner
+The layer widths are (``utils.config.validate`` checks embed_dim and the MLP width); the weight-gradient GEMM's inner
 dim is the micro-batch's token count, so when the tokens per sample are not a multiple of 16 (4050 at
 360 x 720, patch 8) torchao's ``pad_inner_dim`` zero-pads the inner dims (a copy of each float8 operand per
 GEMM, left out when every micro-batch is aligned).
@@ -62,7 +62,7 @@ def apply_float8(model: nn.Module, precision, fsdp: bool) -> None:
         fsdp: FSDP will shard the model (float8 all-gather applies only then).
 
     Raises:
-        ModuleNotFoundError: torchao is not installed (``utils.schema.validate`` checks it first).
+        ModuleNotFoundError: torchao is not installed (``utils.config.validate.validate`` checks it first).
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
