@@ -84,3 +84,15 @@ def test_the_check_sees_a_stale_path():
     assert PATH.search("see ``utils/data_loader.py``").group(1) == "utils/data_loader.py"
     assert not module_exists("utils.schema") and module_exists("utils.config.schema.Config")
     assert PATH.search("https://x.org/docs/env.html") is None and MODULE.search("torch.distributed.checkpoint") is None
+
+
+def test_the_readme_map_names_every_package_of_the_tree():
+    """The README's map of the code lists each library package, and each folder it lists exists."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Map of the code"):].split("\n## ")[0]
+    listed = set(re.findall(r"^\| `([\w/]+/)`", table, re.M))
+    packages = {f"{p.parent.relative_to(ROOT).as_posix()}/" for top in ("utils", "distributed", "training", "networks",
+                                                                    "kernels")
+                for p in (ROOT / top).rglob("__init__.py")} - {"utils/", "training/"}
+    assert packages - listed == set(), f"packages missing from the README's map: {sorted(packages - listed)}"
+    assert all((ROOT / folder).is_dir() for folder in listed), sorted(f for f in listed if not (ROOT / f).is_dir())
