@@ -11,7 +11,6 @@
 # folder (docs/python-api.md); the data here give the initial state and the truth to compare with.
 
 # %%
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,10 +22,11 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from utils.core.errors import ArgumentParser  # noqa: E402
 from utils.data.layout import resolve_data_path  # noqa: E402
 from utils.evaluation.forecast import Forecaster  # noqa: E402
 
-parser = argparse.ArgumentParser(description="Forecast from Python and plot it against the data.")
+parser = ArgumentParser(description="Forecast from Python and plot it against the data.")
 parser.add_argument("--run_dir", type=Path, default=None, help="a run directory (default: the newest tiny run)")
 parser.add_argument("--lead_steps", type=int, default=8, help="model steps to roll out (default 8)")
 parser.add_argument("--channel", default=None, help="channel to plot (default: the first)")

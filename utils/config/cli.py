@@ -9,10 +9,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from utils.config.loading import DEFAULT_YAML, REPO, closest, load_config, parse_overrides, read_yaml, to_yaml
+from utils.config.loading import DEFAULT_YAML, REPO, load_config, parse_overrides, read_yaml, to_yaml
 from utils.config.schema import KEYS, SECTIONS, Config
 from utils.config.types import choices, plain, type_name
-from utils.core.errors import UserError
+from utils.core.errors import UserError, closest
 
 WIDTH = 80
 

@@ -10,23 +10,16 @@ it came from and the fix. ``--help [KEY]``, ``--list-configs`` and ``--print-con
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 from utils.config.schema import KEYS, SECTIONS, Config
 from utils.config.types import check_value, coerce, plain, type_name
-from utils.core.errors import UserError
+from utils.core.errors import UserError, closest
 
 DEFAULT_YAML = "config/ViT.yaml"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def closest(name: str, valid) -> str:
-    """``"; did you mean a, b?"`` for the nearest of ``valid`` to ``name``, or ``""``."""
-    near = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.5)
-    return f"; did you mean {', '.join(near)}?" if near else ""
 
 
 def read_yaml(path: str | Path) -> dict[str, dict]:
