@@ -131,14 +131,8 @@ class ArgumentParser(argparse.ArgumentParser):
     own prints a usage line first, and its ``prog: error:`` prefix differs from the entry points')."""
 
     def __init__(self, *args, **kwargs):
-        self.flags: list[str] = []  # every option string but help's, for the suggestion of a near miss
         self.argv: list[str] = []
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
-
-    def add_argument(self, *args, **kwargs):
-        action = super().add_argument(*args, **kwargs)
-        self.flags += [f for f in action.option_strings if f not in ("-h", "--help")]
-        return action
 
     def parse_known_args(self, args=None, namespace=None):
         self.argv = list(sys.argv[1:] if args is None else args)
@@ -146,8 +140,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         # an unknown option first: it explains the rest (a misspelt required option is "required" too)
-        unknown = [a for a in self.argv if a.startswith("--") and a.split("=")[0] not in (*self.flags, "--help")]
+        flags = [f for f in self._option_string_actions if f not in ("-h", "--help")]  # groups' options too
+        unknown = [a for a in self.argv if a.startswith("--") and a.split("=")[0] not in (*flags, "--help")]
         if unknown:
             message = f"unrecognized arguments: {' '.join(unknown)}" + "".join(
-                closest(a.split("=")[0], self.flags) for a in unknown)
+                closest(a.split("=")[0], flags) for a in unknown)
         self.exit(2, f"error: {message}; see --help\n")
