@@ -119,6 +119,7 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
         _set(cfg, key, raw, f"{yaml_path}, config {name}: ")
     for key, raw in (overrides or {}).items():
         _set(cfg, key, raw, "")
+    cfg.overrides = tuple(overrides or ())
     for spec in KEYS.values():
         try:
             check_value(spec, getattr(getattr(cfg, spec.section), spec.name))
@@ -126,6 +127,16 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
             value = getattr(getattr(cfg, spec.section), spec.name)
             raise UserError(f"--{spec.name} {exc}, got {show_value(value)}") from None
     return cfg
+
+
+def configs_for_data(yaml_path: str | Path, data_path: str) -> list[str]:
+    """The named configs of ``yaml_path`` whose ``data_path`` is ``data_path`` (as paths: ``./data/x`` is
+    ``data/x``); none when the file cannot be read."""
+    try:
+        configs = read_yaml(yaml_path)
+    except UserError:
+        return []
+    return [n for n, c in configs.items() if "data_path" in c and Path(str(c["data_path"])) == Path(data_path)]
 
 
 def _set(cfg: Config, key: str, raw: Any, where: str) -> None:
