@@ -6,7 +6,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TINY := data/tiny/stats/time_means.npy
-ERA5_SAMPLE_NC ?= ../shared/data/era5-levels-members.nc
+# the real ERA5 sample, shipped with the project (source and licence: samples/README.md)
+ERA5_SAMPLE_NC ?= samples/era5-levels-members.nc
+# more train.py flags for it, e.g. make era5_sample ERA5_SAMPLE_ARGS="--num_iters 400"
+ERA5_SAMPLE_ARGS ?=
 
 .PHONY: setup train test data era5_sample clean
 
@@ -32,7 +35,7 @@ test: setup
 era5_sample: setup
 	$(BIN)/python -m tools.convert_era5 --input $(ERA5_SAMPLE_NC) --out data/era5_sample \
 		--variables t z --levels 850 500 --trim_to_multiple 4 --overwrite
-	$(BIN)/python train.py --config era5_sample
+	$(BIN)/python train.py --config era5_sample $(ERA5_SAMPLE_ARGS)
 
 clean:
 	rm -rf $(VENV) data runs

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, table  # noqa: E402
 from kernels.cudnn_attention import packed_attention  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 COLUMNS = [("kernel", "kernel", "s"), ("fwd ms", "fwd_ms", ".3f"), ("fwd+bwd ms", "fwd_bwd_ms", ".3f"),
            ("TFLOP/s", "tflops", ".0f"), ("max |diff|", "max_diff", ".2e"), ("note", "note", "s")]
@@ -169,7 +170,7 @@ def gemm_rows(tokens: int, dim: int, hidden: int, iters: int) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=4050)
     ap.add_argument("--heads", type=int, default=8)

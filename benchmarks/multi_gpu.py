@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
 SYNTH = ["--data_loader_config", "synthetic"]
@@ -137,7 +138,7 @@ COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), (
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=SUITES, required=True)
     ap.add_argument("--gpus", default="1,2,4", help="scaling: GPU counts")
     ap.add_argument("--gpus_max", type=int, default=4, help="GPUs for the other suites")

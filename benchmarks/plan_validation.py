@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, run_variant, save_json, table  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 MIB = 2**20
 # part (a): a short bf16 run on synthetic batches (no data needed), two epochs of 16 steps
@@ -132,7 +133,7 @@ def shards_in_child(config: str, folder: Path) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b,c", help="which parts to run: a, b, c")
     ap.add_argument("--config", default="short", help="part (a)'s config (synthetic batches)")
     ap.add_argument("--shards_config", default="vit_2b", help="part (c)'s config")

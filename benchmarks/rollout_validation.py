@@ -11,13 +11,13 @@ variant's sum. Prints a table and saves JSON.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 COLUMNS = [("variant", "variant", "s"), ("train s", "epoch_time_s", ".2f"),
            ("valid s", "valid_time_s", ".2f"), ("epoch + valid s", "total_s", ".2f"), ("added", "added", ".1%"),
@@ -25,7 +25,7 @@ COLUMNS = [("variant", "variant", "s"), ("train s", "epoch_time_s", ".2f"),
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="short_opt")
     ap.add_argument("--data_path", required=True)
     ap.add_argument("--variants", default="1x1,4x1,4x4", help="comma list of K x n: rollout steps x init every")

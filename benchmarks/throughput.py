@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
 # our fastest settings (config short_opt): OPT + cuDNN attention + Programmatic Dependent Launch. On the
@@ -71,7 +72,7 @@ COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), (
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="short")
     ap.add_argument("--data_path", required=True)
     ap.add_argument("--variants", default=DEFAULT, help=f"comma list from: {', '.join(VARIANTS)}")

@@ -13,7 +13,6 @@ Rows are appended to ``--out`` (one per tuning), so several setups share one fil
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, Results, table  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 COLUMNS = [("setup", "name", "s"), ("allocator", "allocator", "s"), ("tuner min", "tuner_minutes", ".1f"),
            ("trials", "trials", "d"), ("pick", "pick.local_batch_size", "d"),
@@ -59,7 +59,7 @@ def tune(name: str, tool_args: list[str], nproc: int, out: Path, env: dict) -> d
 def main() -> None:
     argv = sys.argv[1:]
     tool_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--expandable", action="store_true")

@@ -111,9 +111,11 @@ def launch(argv: list[str]) -> int:
     """Parse torchrun's options, launch the workers, and map their end to this process's exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
+    from torch.distributed.run import config_from_args, get_args_parser
 
-    args = parse_args([f"--signals_to_handle={AGENT_SIGNALS}", *argv])
+    parser = get_args_parser()
+    parser.allow_abbrev = False  # as every command line of the project: --nproc is not --nproc_per_node
+    args = parser.parse_args([f"--signals_to_handle={AGENT_SIGNALS}", *argv])
     if args.standalone:  # as torchrun does it: a one-node job on a local rendezvous
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"standalone-{os.getpid()}"
     config, entrypoint, entry_args = config_from_args(args)

@@ -51,7 +51,7 @@ def climate_model_output(kind: str, seed: int = 0) -> xr.Dataset:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # no abbreviated options
     parser.add_argument("--kind", choices=("annual", "monthly"), default="annual")
     parser.add_argument("--out", type=Path, required=True, help="the netCDF file to write")
     args = parser.parse_args()

@@ -192,6 +192,11 @@ CASES = [
          spoil=_yaml("a: &a\n  b: *a\n")),
     Case("YAML integer key", [], ["config a: key 1 is not a setting name"], spoil=_yaml("a:\n  1: 2\n")),
     Case("YAML integer config name", [], ["config name 7 is not a string"], spoil=_yaml("7:\n  lr: 1\n")),
+    Case("a config pointed at data of another grid", [],
+         ["the data at ", "are on a 32x64 grid but config a trains on img_size [8,16], 6% of it: they are not this "
+          "config's data; pass --img_size [32,64] for the whole grid"],
+         spoil=_yaml("a:\n  img_size: [8, 16]\n  patch_size: 4\n  n_in_channels: 4\n  n_out_channels: 4\n"
+                     "  embed_dim: 32\n  depth: 1\n  num_heads: 2\n  global_batch_size: 4\n")),
     Case("tuner keys without the tuner", ["--tolerance", "0.1"], ["--tolerance: tuner keys", "--local_batch_size auto"]),
     Case("model too large for the host", ["--embed_dim", "4000000"], ["of host memory", "make the model smaller"]),
     # ---- output paths

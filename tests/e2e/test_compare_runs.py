@@ -150,6 +150,14 @@ def test_table_and_plots(expdir, tmp_path, capsys):
         [f"wrote {out_dir / n}" for n in names]
 
 
+def test_a_repeat_started_with_resume_never_differs_in_nothing():
+    """README's repeat of run 00 (``--resume never``) trains the same config: no differing key."""
+    from training.evaluation.run_comparison import Run
+    runs = [Run(Path(n), {"config": {"lr": 1e-3, "resume": r}, "world_size": 1}, []) for n, r in
+            (("00", "auto"), ("01", "never"))]
+    assert differing_keys(runs) == []
+
+
 def test_json_document(expdir, tmp_path, capsys):
     # a diverged last train loss: NaN is not JSON, so it becomes null
     metrics = expdir / "tiny" / "1GPU" / "01" / "metrics.jsonl"

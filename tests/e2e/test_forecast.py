@@ -143,3 +143,19 @@ def test_the_python_example_runs_and_plots(run, tmp_path):
                       subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote" in proc.stdout and (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # without --out: beside the run, not in the directory it runs from (the repository root, as documented)
+    proc = run_forked([str(ROOT / "docs" / "examples" / "forecast_from_python.py"), "--run_dir", str(run),
+                       "--lead_steps", "1"], tmp_path, subprocess_env())
+    assert proc.returncode == 0 and f"wrote {run / 'forecast.png'}" in proc.stdout, proc.stderr[-3000:]
+    assert (run / "forecast.png").is_file() and not (tmp_path / "forecast.png").exists()
+
+
+def test_the_device_defaults_to_what_is_there(run):
+    from utils.core.errors import UserError
+    from training.evaluation.forecast import Forecaster
+    f = Forecaster.from_file(run / "checkpoints" / "model.pt")
+    assert f.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # docs/python-api.md's device="cuda" on a CPU machine: one line, no assert
+        with pytest.raises(UserError, match="^device 'cuda' asked for, but no CUDA GPU is visible; pass "
+                                            "device='cpu'"):
+            Forecaster.from_file(run / "checkpoints" / "model.pt", device="cuda")

@@ -99,7 +99,7 @@ def test_a_second_copy_of_a_live_run_is_refused_or_skipped(tiny_data, tmp_path):
         assert err.startswith(f"error: run directory {run_path(tmp_path, 1)} is in use by a live run (host ") and \
             f" pid {live.pid})" in err, err[-3000:]
         auto = train(tmp_path, tiny_data, "--num_iters", "100000")
-        wait_for_line(auto, "run 00 (the same config) is in use by host ")
+        wait_for_line(auto, "run 00 (the same settings) is in use by host ")
         auto.kill()
         auto.communicate()
     finally:

@@ -529,6 +529,8 @@ def test_help_lists_every_key_by_section_within_80_columns():
         assert f"--{name} " in text, name
     assert "--amp_mode {none,fp16,bf16,bf16_pure,fp8}  (default none)" in text
     assert "--local_batch_size INT or {auto} or null  (default null)" in text
+    assert "--config NAME          named config (default tiny; --list-configs lists them)" in text
+    assert "(default mp; --list-configs lists them)" in full_help("train_mp.py", "mp")  # each entry point's own default
 
 
 def test_help_for_one_key():

@@ -20,7 +20,7 @@ from utils.data.layout import LayoutError
 xr = pytest.importorskip("xarray")
 
 REPO = Path(__file__).resolve().parents[2]
-REAL_SAMPLE = REPO.parent / "shared" / "data" / "era5-levels-members.nc"
+REAL_SAMPLE = REPO / "samples" / "era5-levels-members.nc"  # shipped with the project
 
 
 def read_fields(path: Path) -> np.ndarray:
@@ -430,12 +430,15 @@ def test_parse_select():
 
 # ---------------------------------------------------------------- the real ERA5 sample
 
-@pytest.mark.skipif(not REAL_SAMPLE.is_file(), reason=f"{REAL_SAMPLE} not present")
 def test_convert_real_sample(tmp_path):
     summary = convert.convert(REAL_SAMPLE, tmp_path, ["t", "z"], [850, 500], trim_to_multiple=4,
                                    verbose=False)
     assert summary["channels"] == ["t850", "t500", "z850", "z500"]
     assert summary["samples"] == {"train": 10, "valid": 10}
+    # one training day: the summary says what a model can learn from it (docs/data.md)
+    assert any(n.startswith("training has 1 distinct initial time(s), 2017-01-01T00:00:00 (the same for all 10 "
+                            "members): a model learns the change over one step (12 hours) from those times only")
+               for n in summary["notes"]), summary["notes"]
     files = layout.split_files(tmp_path, "valid")
     assert len(files) == 10 and files[3].name == "2017_m03.h5"
     with h5py.File(files[3], "r") as f:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -244,3 +246,28 @@ def test_weighted_bias_is_signed_and_zero_for_pure_noise_around_the_truth():
     err = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(1))
     both = torch.cat([target[:1] + err, target[:1] - err])
     assert abs(weighted_bias_channels(both, target[:1].expand(2, -1, -1, -1), w).sum().item()) < 1e-5
+
+
+def wb2_latitude_weights(lat: np.ndarray) -> np.ndarray:
+    """WeatherBench 2's rule (``get_lat_weights``): cell edges half-way between rows, the outer edges at the
+    poles whatever the grid; mean 1."""
+    rad = np.radians(lat)
+    first = -np.pi / 2 * np.sign(lat[-1] - lat[0])  # the pole the first row lies towards
+    bounds = np.concatenate([[first], (rad[:-1] + rad[1:]) / 2, [-first]])
+    w = np.abs(np.diff(np.sin(bounds)))
+    return w / w.mean()
+
+
+def test_latitude_weights_equal_weatherbench2s_only_on_grids_that_reach_both_poles():
+    """docs/evaluation.md says so: equal pole to pole; a grid trimmed short of a pole differs in its last row; on a
+    regional grid WB2's rule gives the edge rows the caps up to the poles."""
+    for lat in (np.linspace(90, -90, 61), np.linspace(-90, 90, 721)):
+        np.testing.assert_allclose(latitude_weights(lat).numpy(), wb2_latitude_weights(lat), rtol=1e-5)
+    trimmed = np.linspace(90, -87, 60)  # data/era5_sample
+    ours, wb2 = latitude_weights(trimmed).numpy(), wb2_latitude_weights(trimmed)
+    assert wb2[-1] / wb2[30] > 1.1 * ours[-1] / ours[30]  # WB2's last cell reaches the pole: 4.5 degrees, not 3
+    regional = np.linspace(60, 30, 31)
+    ours, wb2 = latitude_weights(regional).numpy(), wb2_latitude_weights(regional)
+    assert wb2[0] / wb2[15] > 10 and ours[0] / ours[15] < 1  # an edge row many times an inside row's weight
+    text = (Path(__file__).resolve().parents[2] / "docs" / "evaluation.md").read_text()
+    assert "equal WeatherBench 2's weights\nonly on grids whose outer rows are the poles" in text

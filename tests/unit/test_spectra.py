@@ -89,3 +89,21 @@ def test_scorecard_spectra_are_physical_and_blurring_tells_sharp_from_smooth():
     assert card.blurring["c0"][0] > 0.99 and scored(smooth, truth, lat, stats).blurring["c0"][0] < 1e-6
     noisy = truth + 0.2 * torch.randn(truth.shape, generator=torch.Generator().manual_seed(0))
     assert scored(noisy, truth, lat, stats).blurring["c0"][0] > 1.5
+
+
+def test_the_spectrum_is_row_power_without_weatherbench2s_circumference():
+    """docs/evaluation.md names the difference: WB2's ZonalEnergySpectrum multiplies each row's power by its
+    circle's circumference 2 pi R cos(lat); ours averages the rows' power as it is. The mean over rows of
+    different latitudes differs; one row's forecast-to-truth ratio does not."""
+    from pathlib import Path
+    lat = np.array([60.0, 0.0])
+    x = torch.stack([wave(1.0, 3, 1, 32)[0], wave(2.0, 3, 1, 32)[0]])  # (2 rows, 32 longitudes)
+    ours = zonal_power_spectrum(x, torch.arange(2))
+    per_row = torch.stack([zonal_power_spectrum(x[i:i + 1], torch.arange(1)) for i in range(2)])
+    circumference = torch.as_tensor(2 * np.pi * 6.371e6 * np.cos(np.radians(lat)), dtype=torch.float32)
+    wb2 = (per_row * circumference[:, None]).mean(0)
+    assert ours[3].item() == pytest.approx((0.5 + 2.0) / 2, rel=1e-5)  # the plain mean of A^2 / 2
+    assert wb2[3].item() / ours[3].item() != pytest.approx(circumference.mean().item(), rel=1e-2)  # not a rescale
+    text = (Path(__file__).resolve().parents[2] / "docs" / "evaluation.md").read_text()
+    assert "It is not WeatherBench 2's `ZonalEnergySpectrum`, which multiplies each row's power by the circumference" \
+        in " ".join(text.split())

@@ -57,13 +57,36 @@ def config_from_sections(sections: dict, source: Path) -> Config:
     return cfg
 
 
+def resolve_device(device=None) -> torch.device:
+    """The device a :class:`Forecaster` runs on: ``device`` (a name or a ``torch.device``) when it is there; None:
+    ``cuda`` when a CUDA GPU is visible, else ``cpu``.
+
+    Raises:
+        UserError: not a device name, or a CUDA device that is not there (no GPU visible, or too few).
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"device {device!r} is not a device name; pass 'cpu', 'cuda' or 'cuda:N', or leave device "
+                        "out for the GPU when one is visible, else the CPU") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        seen = f"{torch.cuda.device_count()} CUDA GPUs are visible" if torch.cuda.is_available() else \
+            "no CUDA GPU is visible"
+        raise UserError(f"device {str(dev)!r} asked for, but {seen}; pass device='cpu', or leave device out for the "
+                        "GPU when one is visible, else the CPU")
+    return dev
+
+
 class Forecaster:
     """A trained model with everything it needs to forecast in physical units.
 
     Args:
         model: the plain network (``networks.vit.build_model``) with its weights.
         package: the model file's metadata (:func:`networks.model_file.package_meta`).
-        device: where to run (``"cpu"``, ``"cuda"``, a ``torch.device``).
+        device: where to run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``); None (the default): the
+            first CUDA GPU when one is visible, else the CPU (:func:`resolve_device`).
         step: the optimizer step of the weights (None when unknown).
 
     Attributes: ``config`` (:class:`Config`), ``channels``, ``channel_units``, ``latitude`` ``(H,)`` and
@@ -71,8 +94,8 @@ class Forecaster:
     ``calendar``.
     """
 
-    def __init__(self, model: torch.nn.Module, package: dict, device="cpu", step: int | None = None):
-        self.device = torch.device(device)
+    def __init__(self, model: torch.nn.Module, package: dict, device=None, step: int | None = None):
+        self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.package, self.step = package, step
         self.config = config_from_sections(package["config"], Path("the model package"))
@@ -89,7 +112,7 @@ class Forecaster:
         self.autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype else contextlib.nullcontext
 
     @classmethod
-    def from_file(cls, model_pt: str | Path, device="cpu") -> "Forecaster":
+    def from_file(cls, model_pt: str | Path, device=None) -> "Forecaster":
         """The model of a self-contained model file (``checkpoints/model.pt``, ``python -m tools.export_model``).
 
         Raises:
@@ -115,7 +138,7 @@ class Forecaster:
         return cls(model, state, device, state.get("step"))
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, step: int | None = None, device="cpu") -> "Forecaster":
+    def from_run(cls, run_dir: str | Path, step: int | None = None, device=None) -> "Forecaster":
         """The model of a run directory: the checkpoint of ``step`` (default: the latest, or ``checkpoints/model.pt``
         when the run kept no sharded one). The metadata come from the run's ``model.pt`` when it is self-contained,
         else from the run's data folder.

@@ -4,16 +4,18 @@ WeatherBench 2 (Rasp et al. 2024, "WeatherBench 2: A benchmark for the next gene
 global weather models", section 4 and appendix) defines the scores compared here:
 
 * latitude weights proportional to each grid row's cell area, ``sin(upper edge) - sin(lower edge)``,
-  normalized to mean 1 (:func:`latitude_weights`);
+  normalized to mean 1 (:func:`latitude_weights`; equal to WeatherBench 2's on grids whose outer rows are the
+  poles: it puts the outer edges at the poles on any grid, this module half a grid step out);
 * RMSE: the weighted MSE of each forecast, averaged over initial times, then the square root
   (:func:`weighted_mse_channels`, summed by the caller before :func:`rmse_from_mse`);
 * ACC: the weighted correlation of forecast and observed anomalies from a climatology, per
   initial time, then averaged over initial times (:func:`weighted_acc_channels`);
 * bias: the weighted mean error, averaged over initial times (:func:`weighted_bias_channels`).
 
-Spectra (:func:`zonal_power_spectrum`, :func:`blurring_band`) follow the zonal energy spectra that WeatherBench 2
-(its ``ZonalEnergySpectrum``) and makani/PhysicsNeMo report to show the blurring of deterministic forecasts: the
-power of each zonal wavenumber along latitude circles, averaged over latitude rows.
+Spectra (:func:`zonal_power_spectrum`, :func:`blurring_band`) show the blurring of deterministic forecasts, as
+makani/PhysicsNeMo's power spectra do: the power of each zonal wavenumber along latitude circles, averaged over
+latitude rows. WeatherBench 2's ``ZonalEnergySpectrum`` also multiplies each row by its circle's circumference
+``2 pi R cos(lat)``; these do not (docs/evaluation.md#spectra-and-blurring).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ def latitude_weights(lat_deg: np.ndarray, device=None) -> torch.Tensor:
     """Cell-area weights of grid rows at latitudes ``lat_deg`` (degrees, either order), mean 1.
 
     A row's cell spans half-way to its neighbours (the outer rows as far as the inner spacing,
-    clipped at the poles), and its area is proportional to ``sin(upper) - sin(lower)``: the
-    WeatherBench 2 weighting (Rasp et al. 2024). On an equiangular grid this is ``cos(lat)``
-    away from the poles, and a pole row keeps the area of its half cell instead of zero.
+    clipped at the poles), and its area is proportional to ``sin(upper) - sin(lower)``. On a grid
+    whose outer rows are the poles this is the WeatherBench 2 weighting (Rasp et al. 2024), which puts the
+    outer edges at the poles on every grid (on a regional grid, giving each edge row the cap up to its pole).
+    On an equiangular grid this is ``cos(lat)`` away from the poles, and a pole row keeps the area of its
+    half cell instead of zero.
     Returns float32 ``(H,)`` on ``device``.
 
     Raises:

@@ -33,8 +33,9 @@ from typing import Any, Optional
 
 from utils.core.errors import UserError
 
-# config keys that differ between any two runs by construction
-IGNORED_KEYS = ("run_num", "expdir", "description")
+# config keys that differ between runs by construction, or say how a run was started, not what it trained
+# (``--resume never`` repeats a run; the repeat's table row would otherwise differ from it in ``resume``)
+IGNORED_KEYS = ("run_num", "expdir", "description", "resume")
 # metrics the tool reads, checked to be numbers when a line is loaded (``rmse/<channel>`` too)
 NUMERIC_KEYS = ("iteration", "elapsed_s", "samples_per_s", "mfu", "memory/peak_allocated", "memory/peak_rss",
                 "memory/alloc_retries", "loss/train", "loss/valid")

@@ -39,13 +39,14 @@ from networks.model_file import package_meta
 from utils.precision.amp import AMP_DTYPES
 from distributed.simulate import is_simulated, notice
 from distributed.world import World, all_reduce, main_decides
-from utils.config.loading import to_yaml
+from utils.config.loading import configs_for_data, to_yaml
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
 from utils.core.component import Component
 from utils.core.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preempted, UserError
 from utils.core.logs import setup_logging
 from utils.core.signals import install, signal_name
+from utils.data.dataset import check_crop
 from utils.data.loaders import build_data
 from training.evaluation.evaluator import Evaluator, nonfinite_samples
 from training.evaluation.scoring import lead_hours
@@ -93,6 +94,7 @@ class Trainer:
                                valid_init_every=cfg.evaluation.valid_init_every)
         self.evaluator = Evaluator(cfg.evaluation, self.data, world,
                                    lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps))
+        self._check_crop(cfg)
         self.steps_per_epoch = self._steps_per_epoch()
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]
         set_attention_backend(cfg.precision.attention_backend, self.device, cfg.model.embed_dim // cfg.model.num_heads,
@@ -128,6 +130,12 @@ class Trainer:
         c = recorded
         return main_decides(lambda: open_run_dir(c.logging, c.checkpoint.resume, c.name, world.world_size, c.flat(),
                                                  world.device.type == "cuda"), world, (UserError, NothingToDo))
+
+    def _check_crop(self, cfg: Config) -> None:
+        """A named config's ``img_size`` that keeps less than half of the data's grid: another config's data."""
+        if self.data.train_dataset is not None and "img_size" not in cfg.overrides:
+            check_crop(self.data.train_dataset.grid, cfg.data.img_size, cfg.data.data_path, cfg.name,
+                       configs_for_data(cfg.yaml_config, cfg.data.data_path))
 
     @staticmethod
     def _check_resume_source(cfg: Config, world: World) -> None:

@@ -9,10 +9,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from utils.config.loading import DEFAULT_YAML, REPO, closest, load_config, parse_overrides, read_yaml, to_yaml
+from utils.config.loading import DEFAULT_YAML, REPO, load_config, parse_overrides, read_yaml, to_yaml
 from utils.config.schema import KEYS, SECTIONS, Config
 from utils.config.types import choices, plain, type_name
-from utils.core.errors import UserError
+from utils.core.errors import UserError, closest
 
 WIDTH = 80
 
@@ -31,7 +31,7 @@ def cli_config(argv: list[str], default_config: str, prog: str = "train.py") -> 
         topic = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
         yaml_path = parse_overrides([a for a in argv if a not in ("--help", "-h", topic)]).get(
             "yaml_config", DEFAULT_YAML)
-        print(key_help(topic.lstrip("-").replace("-", "_"), yaml_path) if topic else full_help(prog))
+        print(key_help(topic.lstrip("-").replace("-", "_"), yaml_path) if topic else full_help(prog, default_config))
         return None
     flags = {a for a in ("--list-configs", "--list_configs", "--print-config", "--print_config") if a in argv}
     overrides = parse_overrides([a for a in argv if a not in flags])
@@ -47,15 +47,16 @@ def cli_config(argv: list[str], default_config: str, prog: str = "train.py") -> 
     return cfg
 
 
-def full_help(prog: str = "train.py") -> str:
-    """``--help``: every key by section with type, default and doc, at most 80 columns wide."""
+def full_help(prog: str = "train.py", default_config: str = "tiny") -> str:
+    """``--help``: every key by section with type, default and doc (``--config``'s too: ``default_config``, the
+    entry point's), at most 80 columns wide."""
     lines = [f"usage: python {prog} [--config NAME] [--yaml_config FILE] [--KEY VALUE ...]",
              f"       python {prog} --help [KEY] | --list-configs | --print-config",
              "",
              *textwrap.wrap("Values: --key value or --key=value; a bare --flag means true; lists as [a,b]; "
                             "null where the type allows it. Keys can also be set in the YAML config.", WIDTH),
              "",
-             "  --config NAME          named config of the YAML file (--list-configs)",
+             f"  --config NAME          named config (default {default_config}; --list-configs lists them)",
              f"  --yaml_config FILE     named configs (default {DEFAULT_YAML})"]
     for attr, (_, title) in SECTIONS.items():
         lines += ["", f"{title}:"]

@@ -10,23 +10,16 @@ it came from and the fix. ``--help [KEY]``, ``--list-configs`` and ``--print-con
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 from utils.config.schema import KEYS, SECTIONS, Config
 from utils.config.types import check_value, coerce, plain, type_name
-from utils.core.errors import UserError
+from utils.core.errors import UserError, closest
 
 DEFAULT_YAML = "config/ViT.yaml"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def closest(name: str, valid) -> str:
-    """``"; did you mean a, b?"`` for the nearest of ``valid`` to ``name``, or ``""``."""
-    near = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.5)
-    return f"; did you mean {', '.join(near)}?" if near else ""
 
 
 def read_yaml(path: str | Path) -> dict[str, dict]:
@@ -126,6 +119,7 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
         _set(cfg, key, raw, f"{yaml_path}, config {name}: ")
     for key, raw in (overrides or {}).items():
         _set(cfg, key, raw, "")
+    cfg.overrides = tuple(overrides or ())
     for spec in KEYS.values():
         try:
             check_value(spec, getattr(getattr(cfg, spec.section), spec.name))
@@ -133,6 +127,16 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
             value = getattr(getattr(cfg, spec.section), spec.name)
             raise UserError(f"--{spec.name} {exc}, got {show_value(value)}") from None
     return cfg
+
+
+def configs_for_data(yaml_path: str | Path, data_path: str) -> list[str]:
+    """The named configs of ``yaml_path`` whose ``data_path`` is ``data_path`` (as paths: ``./data/x`` is
+    ``data/x``); none when the file cannot be read."""
+    try:
+        configs = read_yaml(yaml_path)
+    except UserError:
+        return []
+    return [n for n, c in configs.items() if "data_path" in c and Path(str(c["data_path"])) == Path(data_path)]
 
 
 def _set(cfg: Config, key: str, raw: Any, where: str) -> None:

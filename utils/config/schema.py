@@ -251,10 +251,12 @@ SECTIONS: dict[str, tuple[type, str]] = {
 
 @dataclass
 class Config:
-    """A resolved config: ``name`` (the named config), the YAML file it came from, and its sections."""
+    """A resolved config: ``name`` (the named config), the YAML file it came from, the keys the command line
+    set (``overrides``), and its sections."""
 
     name: str = "custom"
     yaml_config: str = "config/ViT.yaml"
+    overrides: tuple[str, ...] = field(default=(), compare=False)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

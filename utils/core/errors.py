@@ -7,6 +7,7 @@ as one line, ``error: <message>``, with no traceback, and exits non-zero (:func:
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Callable
@@ -116,12 +117,34 @@ def free_space(directory) -> str:
         return "free space unknown"
 
 
+def closest(name: str, valid) -> str:
+    """``"; did you mean a, b?"`` for the nearest of ``valid`` to ``name``, or ``""``."""
+    near = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(near)}?" if near else ""
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """An ``argparse.ArgumentParser`` whose errors are one line like every other bad input:
-    ``error: <message>; see --help`` on stderr and exit status 2 (argparse's own prints a usage
-    line first, and its ``prog: error:`` prefix differs from the entry points')."""
+    """The parser of every command line but the config's: an ``argparse.ArgumentParser`` that takes no
+    abbreviated option (``--lead_step`` is not ``--lead_steps``: an abbreviation would silently change when an
+    option is added) and whose errors are one line like every other bad input: ``error: <message>; see --help``
+    on stderr and exit status 2, naming the closest options of an unknown one, as ``train.py`` does (argparse's
+    own prints a usage line first, and its ``prog: error:`` prefix differs from the entry points')."""
+
+    def __init__(self, *args, **kwargs):
+        self.argv: list[str] = []
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
+        # an unknown option first: it explains the rest (a misspelt required option is "required" too)
+        flags = [f for f in self._option_string_actions if f not in ("-h", "--help")]  # groups' options too
+        unknown = [a for a in self.argv if a.startswith("--") and a.split("=")[0] not in (*flags, "--help")]
+        if unknown:
+            message = f"unrecognized arguments: {' '.join(unknown)}" + "".join(
+                closest(a.split("=")[0], flags) for a in unknown)
         self.exit(2, f"error: {message}; see --help\n")
 
 

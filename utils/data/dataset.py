@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FileInfo:
-    """One file of a split: its ``path``, ``n_times`` steps and time ``axis``."""
+    """One file of a split: its ``path``, ``n_times`` steps, time ``axis`` and ``grid`` (H, W)."""
 
     path: Path
     n_times: int
     axis: TimeAxis
+    grid: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -53,15 +54,36 @@ _CROPS_WARNED: set[tuple] = set()
 
 
 def warn_crop(grid: tuple[int, int], img_size: tuple[int, int], path: Path) -> None:
-    """Warn once per grid and crop when training sees only the north-west ``img_size`` corner of a larger grid
-    and more than one row or column is dropped (one is ERA5's usual 721 -> 720 rows)."""
+    """Warn once per grid and crop when training sees only the north-west ``img_size`` corner of a larger grid,
+    at least half of it, and more than one row or column is dropped (one is ERA5's usual 721 -> 720 rows)."""
     (h, w), (ch, cw) = grid, img_size
-    if (h - ch <= 1 and w - cw <= 1) or (grid, tuple(img_size)) in _CROPS_WARNED:
+    # below half the grid: asked for on the command line, or refused by check_crop with a line of its own
+    if (h - ch <= 1 and w - cw <= 1) or 2 * ch * cw < h * w or (grid, tuple(img_size)) in _CROPS_WARNED:
         return
     _CROPS_WARNED.add((grid, tuple(img_size)))
     log.warning("the data's %dx%d grid (%s) is larger than img_size [%d,%d]: training sees only its north-west "
                 "corner and drops %d rows and %d columns; pass --img_size [%d,%d] (multiples of patch_size) to use "
                 "the whole grid", h, w, path.parent, ch, cw, h - ch, w - cw, h, w)
+
+
+def check_crop(grid: tuple[int, int], img_size: tuple[int, int], data_path: str, config_name: str,
+               made_for: list[str]) -> None:
+    """Stop when a config's ``img_size`` keeps less than half of the data's grid points: the data are not the
+    config's (``--config tiny --data_path data/era5_sample``), and training a corner of them, with an epoch
+    count made for other data, is no run anyone meant. ``made_for``: the named configs whose ``data_path`` is
+    these data. An ``--img_size`` given on the command line is a crop asked for, and is not checked here.
+
+    Raises:
+        UserError: naming the configs made for these data and the overrides that use the whole grid.
+    """
+    (h, w), (ch, cw) = grid, img_size
+    if 2 * ch * cw >= h * w:
+        return
+    configs = f"--config {' or --config '.join(made_for)} (made for these data), or " if made_for else ""
+    raise UserError(f"the data at {data_path} are on a {h}x{w} grid but config {config_name} trains on img_size "
+                    f"[{ch},{cw}], {100 * ch * cw / (h * w):.0f}% of it: they are not this config's data; pass "
+                    f"{configs}--img_size [{h},{w}] for the whole grid (a multiple of --patch_size; --img_size "
+                    "crops as asked when given)")
 
 
 class ERA5Dataset(Dataset):
@@ -103,6 +125,11 @@ class ERA5Dataset(Dataset):
         self._handles: dict[int, h5py.Dataset] = {}
 
     @property
+    def grid(self) -> tuple[int, int]:
+        """The (H, W) grid of the split's (first) file, before the ``img_size`` crop."""
+        return self.files[0].grid
+
+    @property
     def time_step(self) -> TimeStep:
         """The time step of the split's (first) file, in its own unit."""
         return self.files[0].axis.step
@@ -139,7 +166,7 @@ class ERA5Dataset(Dataset):
             raise UserError(f"img_size {list(self.img_size)} is larger than the {h}x{w} grid of {path}; "
                             f"pass --img_size [{h},{w}] or smaller")
         warn_crop((h, w), self.img_size, path)
-        return FileInfo(path, t, read_time_axis(path, self.img_size[1]))
+        return FileInfo(path, t, read_time_axis(path, self.img_size[1]), (h, w))
 
     def _check_lengths(self) -> None:
         """Raise UserError when the shortest run has no initial time for ``target_steps * dt``."""

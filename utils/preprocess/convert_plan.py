@@ -397,4 +397,22 @@ def make_plan(ds, variables: Sequence[str], levels: Sequence[float] | None = Non
         if max(run_lengths(plan, split), default=0) < 2:
             raise LayoutError(f"the {split} split has no two consecutive time steps (one {step} step apart), so it "
                               "gives no samples; choose another --valid_start or --valid_fraction")
+    notes += few_times_note(plan)
     return plan
+
+
+FEW_INITIAL_TIMES = 8  # fewer distinct initial times in training: say what a model can learn from them
+
+
+def few_times_note(plan: "Plan") -> list[str]:
+    """A note when the training split holds fewer than :data:`FEW_INITIAL_TIMES` distinct initial times (ensemble
+    members share theirs): what a model trained on it can and cannot learn, so that its scores read right."""
+    starts = sorted({int(t) for f in plan.files if f.split == "train" for t in f.times[:-1]})
+    if not starts or len(starts) >= FEW_INITIAL_TIMES:
+        return []
+    shown = ", ".join(plan.times[t].isoformat() for t in starts)
+    members = f" (the same for all {len(plan.member_values)} members)" if plan.member_values else ""
+    return [f"training has {len(starts)} distinct initial time(s), {shown}{members}: a model learns the change "
+            f"over one step ({plan.step}) from those times only, not the weather of other days (at most a daily "
+            "cycle shared with validation times of the same hour); its validation scores test the pipeline, not a "
+            "forecast, and persistence may well beat it on channels that the weather moves"]
