@@ -19,7 +19,7 @@ from typing import Any
 from utils.config.schema import KEYS, SECTIONS, Config
 from utils.config.types import check_value, coerce, type_name
 from utils.core.errors import UserError
-from utils.core.files import read_bounded
+from utils.core.files import check_output_path, read_bounded
 
 DEFAULT_YAML = "config/ViT.yaml"
 REPO = Path(__file__).resolve().parents[2]
@@ -143,9 +143,11 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
     """Config ``name`` of ``yaml_path`` with ``overrides`` (``{key: str or typed value}``) applied.
 
     Raises:
-        UserError: unknown config name or key (naming the closest), a value of the wrong type or
+        UserError: a config name that is not a plain name (``../x``: it names the run's folder under
+            ``--expdir``), unknown config name or key (naming the closest), a value of the wrong type or
             outside its choices or range.
     """
+    check_output_path("--config", name, name=True)  # the run directory's name under --expdir, like --run_num
     configs = read_yaml(yaml_path)
     if name not in configs:
         raise UserError(f"config {name!r} not in {yaml_path}{closest(name, configs)} "
