@@ -118,8 +118,8 @@ def _reject_duplicate_keys(node, path: Path, done: set[int], inside: tuple[int, 
     exponential; ``inside`` holds the nodes on the way down, to find an alias of one of them."""
     from ruamel.yaml.nodes import MappingNode, SequenceNode
     if id(node) in inside:
-        raise UserError(f"config file {path} line {node.start_mark.line + 1}: the anchor &{node.anchor} refers to "
-                        "itself (*name inside it); merge anchors of other configs only")
+        raise UserError(f"config file {path} line {node.start_mark.line + 1} has an anchor that refers to itself "
+                        f"(*{node.anchor} inside &{node.anchor}); merge anchors of other configs only")
     if id(node) in done:
         return
     done.add(id(node))
