@@ -112,7 +112,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning(tmp_path, caplog):
         assert read_jsonl(log) == [(1, {"iteration": 8}), (3, {"iteration": 16})]
     assert any("torn last line 4" in r.getMessage() for r in caplog.records)
     log.write_text('{"iteration": 8}\n{"iterat\n{"iteration": 16}\n')  # damage before the end is not a torn append
-    with pytest.raises(ValueError, match="line 2 is not JSON"):
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
         read_jsonl(log)
     log.write_text('{"iteration": 8}\n{"iteration": 16}')  # complete, only the newline missing: kept
     assert [r for _, r in read_jsonl(log)] == [{"iteration": 8}, {"iteration": 16}]

@@ -150,7 +150,7 @@ def read_jsonl(path: str | Path, limit: int = RECORD_LIMIT) -> list[tuple[int, A
             if lineno == len(lines):  # no newline after it: the append never finished
                 log.warning("%s: dropped its torn last line %d (an append that never finished)", path, lineno)
                 break
-            raise ValueError(f"line {lineno} is not JSON") from None
+            raise ValueError(f"line {lineno}: not valid JSON") from None
     return records
 
 

@@ -100,7 +100,7 @@ def load_metrics(path: Path) -> list[dict]:
     try:
         lines = read_jsonl(path)
     except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: {exc}; the file is corrupt, fix or delete the line") from None
+        raise UserError(f"{path}, {exc}; the file is corrupt, fix or delete the line") from None
     epochs = []
     for lineno, record in lines:
         where = f"{path}, line {lineno}"
