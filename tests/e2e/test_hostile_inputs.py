@@ -137,6 +137,21 @@ def test_command_line_bounds_are_one_line(tiny_data, tmp_path, args, needles):
     assert "--img_size [0" not in proc.stderr
 
 
+@pytest.mark.parametrize("order,needle", [("reversed", "runs south to north"), ("shuffled", "in no single direction")])
+def test_a_latitude_axis_not_north_to_south_is_named(tiny_data, tmp_path, order, needle):
+    import h5py
+    import numpy as np
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    path = sorted((data / "train").glob("*.h5"))[0]
+    with h5py.File(path, "r+") as f:
+        lat = f["latitude"][()]
+        del f["latitude"]
+        f["latitude"] = lat[::-1] if order == "reversed" else np.roll(lat, 3)
+    proc = run_entry("train.py", ["--data_path", str(data), "--expdir", str(tmp_path / "runs")], tmp_path)
+    assert_one_line_error(proc, [str(path), needle, "north to south"])
+
+
 STUCK = """
 import sys, time
 sys.path.insert(0, {root!r})
