@@ -32,6 +32,8 @@ def build_parser() -> ArgumentParser:
                    help="export the checkpoint of this optimizer step (default: the latest complete one)")
     p.add_argument("--out", type=output_path_type("--out"), default=None,
                    help="output file (default: <run_dir>/checkpoints/model_step_<N>.pt)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (never a link, FIFO or device)")
     return p
 
 
@@ -39,7 +41,7 @@ def build_parser() -> ArgumentParser:
 def export_from_args(argv: list[str]) -> None:
     """Parse ``argv``, export, and say what was written."""
     args = build_parser().parse_args(argv)
-    out, step = export_model(args.run_dir, args.step, args.out)
+    out, step = export_model(args.run_dir, args.step, args.out, args.overwrite)
     print(f"wrote {out} (model at step {step})")
 
 

@@ -89,8 +89,8 @@ def forward_forever() -> None:
 
 def exit_status(failures: dict) -> int:
     """The wrapper's status from the agent's ``{rank: ProcessFailure}``: 75 when the workers were preempted,
-    130 when interrupted, else the status of the rank that failed first (1 for a worker killed by a signal; the
-    agent then SIGTERMed the others, which fail after it)."""
+    130 when interrupted, else the status of the rank that failed first (2 for a worker killed by a signal, as
+    for any lost rank: 1 is for bugs; the agent then SIGTERMed the others, which fail after it)."""
     codes = {f.exitcode for f in failures.values()}
     if EXIT_PREEMPTED in codes:
         return EXIT_PREEMPTED
@@ -103,7 +103,7 @@ def exit_status(failures: dict) -> int:
         why = " (out of host memory? see dmesg)" if code == -signal.SIGKILL else ""
         print(f"error: rank {rank} was killed by {signal.Signals(-code).name}{why}; the other ranks were stopped",
               file=sys.stderr, flush=True)
-        return 1
+        return 2
     return code
 
 

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distributed.checkpoint.folder import (DISK_FIX, describe_exception, folder_step, is_complete, load_candidates,
-                                          read_checksums, save_file, step_folder, step_folders)
-from distributed.checkpoint.storage import SafeReader, mismatched_file
+                                           save_file, step_folder, step_folders)
+from distributed.checkpoint.storage import SafeReader, mismatched_file, read_manifest
 from distributed.checkpoint.views import ViewLoadPlanner
 from distributed.tensor_parallel import checkpoint_views
 from networks.vit import build_model
@@ -31,6 +31,7 @@ from utils.config.schema import Config
 from utils.core.errors import UserError
 from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, config_sections, package_meta
 from utils.core.safe_load import load_plain
+from utils.core.files import check_replaceable
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) CPU state dict in the plain model's names and shapes, on rank 0 (other ranks get an
@@ -107,7 +108,8 @@ def load_checkpoint_model(run_dir: Path, cfg: Config, step: int | None = None,
 
 def _read_model_state(path: Path, model: nn.Module) -> tuple[dict, int]:
     """``({"model": state_dict}, step)`` of a sharded checkpoint folder (its files verified against their
-    checksums, its metadata and items read without running code) or of a single ``.pt`` file.
+    checksums, which a checkpoint marked as having them must have, its metadata and items read without running
+    code) or of a single ``.pt`` file.
 
     Raises:
         UserError: a file that does not match its checksum, or that holds more than plain data.
@@ -115,7 +117,7 @@ def _read_model_state(path: Path, model: nn.Module) -> tuple[dict, int]:
     if not path.is_dir():
         state = load_plain(path)
         return state, int(state.get("step", -1)) if isinstance(state, dict) else -1
-    manifest = read_checksums(path)
+    manifest = read_manifest(path)
     bad = None if manifest is None else mismatched_file(path, manifest)
     if bad is not None:
         raise UserError(f"checkpoint {bad}; pick another with --step")
@@ -124,22 +126,28 @@ def _read_model_state(path: Path, model: nn.Module) -> tuple[dict, int]:
     return state, folder_step(path)
 
 
-def export_model(run_dir: Path, step: int | None = None, out: Path | None = None) -> tuple[Path, int]:
+def export_model(run_dir: Path, step: int | None = None, out: Path | None = None,
+                 overwrite: bool = False) -> tuple[Path, int]:
     """Write the model of ``run_dir``'s checkpoint at ``step`` (default: the latest) to ``out``
     (default ``<run_dir>/checkpoints/model_step_<N>.pt``) with :func:`package_meta` (read from the run's data
-    folder); returns ``(out, N)``.
+    folder); returns ``(out, N)``. An existing ``out`` is replaced only with ``overwrite``, and only a regular
+    file (never a link, FIFO or device: ``utils.core.files.check_replaceable``).
 
     Raises:
         UserError: no run directory or config, no such checkpoint, a checkpoint that does not load
-            into the config's model, unreadable data statistics, or the write failed (full disk: the
+            into the config's model, unreadable data statistics, ``out`` exists (without ``overwrite``) or is
+            not a regular file (checked before anything is read), or the write failed (full disk: the
             previous file is kept).
     """
     run_dir = Path(run_dir)
+    if out is not None:
+        check_replaceable(Path(out), overwrite)
     cfg = load_run_config(run_dir)
     model, n = load_checkpoint_model(run_dir, cfg, path=pick_checkpoint(run_dir / "checkpoints", step))
     out = Path(out) if out is not None else run_dir / "checkpoints" / f"model_step_{n}.pt"
+    check_replaceable(out, overwrite)
     save_file({"model": model.state_dict(), "step": n, **_export_meta(run_dir, cfg)}, out,
-              "free space or pass --out on a larger filesystem")
+              "free space or pass --out on a larger filesystem", overwrite)
     return out, n
 
 

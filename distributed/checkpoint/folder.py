@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from utils.core.errors import UserError, free_space
-from utils.core.files import write_atomic
+from utils.core.files import read_bounded, write_atomic
 
 LATEST = "latest"
 METADATA = ".metadata"  # DCP's global metadata: rank 0 writes it once every rank's shards are written
@@ -35,10 +36,12 @@ CHECKSUMS = "checksums.json"  # {file name: checksum} of every file of the folde
 DISK_FIX = "free space or pass --expdir on a larger filesystem (or --save_checkpoint false)"
 
 
-def save_file(obj: Any, path: Path, fix: str) -> None:
-    """``torch.save(obj)`` to ``path`` through a temporary file renamed over it.
+def save_file(obj: Any, path: Path, fix: str, overwrite: bool = True) -> None:
+    """``torch.save(obj)`` to ``path`` through a temporary file renamed over it (``overwrite``: also over an
+    existing regular file; never over anything else).
 
     Raises:
+        NotOurs: ``path`` is not replaceable (``utils.core.files.check_replaceable``); nothing is written.
         UserError: the write failed (full disk, quota, I/O error), naming ``path``, the free space
             and ``fix``; the previous file at ``path`` is kept and the partial one removed.
     """
@@ -46,7 +49,7 @@ def save_file(obj: Any, path: Path, fix: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # through a Python file, so a full disk raises OSError(ENOSPC) (behind the zip writer's
         # "unexpected pos" RuntimeError) instead of a bare RuntimeError
-        write_atomic(path, lambda f: torch.save(obj, f))
+        write_atomic(path, lambda f: torch.save(obj, f), overwrite)
     except (OSError, RuntimeError) as exc:
         cause = os_error(exc)
         if cause is None:
@@ -117,10 +120,10 @@ def named_latest(directory: Path) -> Path | None:
     """
     path = Path(directory) / LATEST
     try:
-        name = path.read_bytes().decode("ascii").strip()
+        name = read_bounded(path, 4096).decode("ascii").strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError, UserError):  # a link, a FIFO, a huge file: damaged all the same
         name = None
     if name is None or "/" in name or folder_step(Path(name)) is None:
         raise UserError(f"{path} is damaged: it must hold the name of a step_* folder; delete it to resume from "
@@ -160,17 +163,17 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def read_checksums(folder: Path) -> dict[str, str] | None:
-    """``{file name: checksum}`` of ``folder``'s ``checksums.json``; None when the folder has none (written before
-    checkpoints were checksummed).
+    """``{file name: checksum}`` of ``folder``'s ``checksums.json`` (read bounded, never through a link); None when
+    the folder has none (whether it must have one: ``storage.read_manifest``).
 
     Raises:
         UserError: the file is not the JSON that saves write (damaged, or written by another tool).
     """
     path = Path(folder) / CHECKSUMS
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(read_bounded(path))
         files = content["files"]
         if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
             raise TypeError("not a map of file names to checksums")

@@ -25,10 +25,11 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distributed.checkpoint.folder import (CHECKSUMS, DISK_FIX, LATEST, describe_exception, folder_step, is_complete,
-                                           load_candidates, named_latest, os_error, read_checksums, read_latest,
-                                           resolve_checkpoint, step_folder, step_folders, write_failed)
+                                           load_candidates, named_latest, os_error, read_latest, resolve_checkpoint,
+                                           step_folder, step_folders, write_failed)
 from distributed.checkpoint.staging import HostStager
-from distributed.checkpoint.storage import HASH, WRITE_THREADS, CheckedWriter, SafeReader, mismatched_file, write_hashed
+from distributed.checkpoint.storage import (HASH, WRITE_THREADS, CheckedWriter, SafeReader, mismatched_file,
+                                            read_manifest, write_hashed)
 from distributed.checkpoint.views import ViewLoadPlanner, ViewSavePlanner
 from distributed.tensor_parallel import checkpoint_views
 from distributed.world import World, main_decides
@@ -225,11 +226,11 @@ class ShardedCheckpoints:
     def _save_planner(self) -> ViewSavePlanner:
         return ViewSavePlanner(self._views)
 
-    @staticmethod
-    def _writer(folder: Path) -> dcp.FileSystemWriter:
+    def _writer(self, folder: Path) -> dcp.FileSystemWriter:
         """DCP's file writer with WRITE_THREADS threads: one thread writes far below a parallel
-        filesystem's (or even a local disk's) bandwidth."""
-        return CheckedWriter(folder, thread_count=WRITE_THREADS)
+        filesystem's (or even a local disk's) bandwidth; its metadata marked as having a manifest when
+        checksums are on."""
+        return CheckedWriter(folder, manifest=self.cfg.checkpoint_checksums, thread_count=WRITE_THREADS)
 
     # ---- loading
     def _candidates(self) -> list[Path]:
@@ -387,7 +388,8 @@ class ShardedCheckpoints:
 
     def _verify(self, folder: Path) -> None:
         """Check ``folder``'s files against its checksums before anything is loaded (collective): each rank reads
-        its share of the files. A checkpoint written before checksums existed loads with a warning. With
+        its share of the files. Only a checkpoint written before checksums existed (unmarked: ``read_manifest``)
+        loads without its manifest, with a warning; a marked one without it is damaged. With
         ``checkpoint_checksums`` off nothing is verified.
 
         Raises:
@@ -395,7 +397,7 @@ class ShardedCheckpoints:
         """
         if not self.cfg.checkpoint_checksums:
             return
-        manifest = main_decides(lambda: read_checksums(folder), self.world)
+        manifest = main_decides(lambda: read_manifest(folder), self.world)
         if manifest is None:
             if self.world.is_main:
                 log.warning("checkpoint %s has no %s (written before checkpoints were checksummed): its files are "

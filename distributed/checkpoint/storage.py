@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import pickle
 import threading
 import warnings
@@ -25,14 +26,16 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from distributed.checkpoint.folder import CHECKSUMS, METADATA, os_error
-from utils.core.errors import UserError
-from utils.core.files import write_atomic
-from utils.core.errors import UnsafeCheckpoint
+from distributed.checkpoint.folder import CHECKSUMS, METADATA, os_error, read_checksums
+from utils.core.errors import UnsafeCheckpoint, UserError
+from utils.core.files import open_regular, write_atomic
 from utils.core.safe_load import load_plain
 
 WRITE_THREADS = 8  # per rank
 HASH = "sha256"  # hashlib's name of the checkpoint files' checksum
+# in DCP's StorageMeta.modules of .metadata: the checkpoint was written with a checksums.json (from the version
+# that started marking them); one without the mark was written before checkpoints were checksummed
+MANIFEST_MARK = "weather-vit:checksums.json"
 
 
 class HashingStream(io.RawIOBase):
@@ -97,9 +100,18 @@ class CheckedWriter(dcp.FileSystemWriter):
         OSError: a writer thread's failure, or the OSError behind it (a full disk).
     """
 
-    def __init__(self, path, **kwargs):
+    def __init__(self, path, manifest: bool = True, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _ChecksummingFileSystem()
+        self.manifest = manifest
+
+    def storage_meta(self) -> dcp_metadata.StorageMeta:
+        """DCP's storage record of ``.metadata``, marked (:data:`MANIFEST_MARK`) when the folder gets a
+        ``checksums.json``: a load then treats a missing manifest as damage."""
+        meta = super().storage_meta() or dcp_metadata.StorageMeta()
+        if self.manifest:
+            meta.modules = [*meta.modules, MANIFEST_MARK]
+        return meta
 
     @property
     def digests(self) -> dict[str, str]:
@@ -202,7 +214,7 @@ class SafeReader(dcp.FileSystemReader):
     def _unpickle_metadata(self) -> dcp_metadata.Metadata:
         path = Path(self.path) / METADATA
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
                 metadata = RestrictedUnpickler(f, path).load()
         except UnsafeCheckpoint:
             raise
@@ -213,7 +225,45 @@ class SafeReader(dcp.FileSystemReader):
             raise UserError(f"{path} is damaged (it holds {type(metadata).__name__}, not DCP's metadata)")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
+        _check_storage(metadata, path)
         return metadata
+
+
+def _check_storage(metadata: dcp_metadata.Metadata, path: Path) -> None:
+    """Every file ``.metadata`` points a shard at is a plain file name of its own folder (no ``/``, not ``.``
+    or ``..``), at a whole, non-negative offset and length: DCP joins the name to the folder and reads there,
+    so a crafted ``../x`` or ``/x`` would read any file of the host.
+
+    Raises:
+        UserError: naming the first such entry.
+    """
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise UserError(f"{path} is damaged (its storage data is {type(storage).__name__}, not a map of shards)")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        numbers = (getattr(info, "offset", None), getattr(info, "length", None))
+        if not (isinstance(name, str) and name and name not in (".", "..") and "/" not in name and "\x00" not in name):
+            raise UserError(f"{path} points a shard at {str(name)[:100]!r}, which is not a file of its own folder: "
+                            "the checkpoint is damaged or crafted, so it is refused")
+        if not all(type(n) is int and n >= 0 for n in numbers):
+            raise UserError(f"{path} gives the shard in {name} the offset and length {numbers}: the checkpoint is "
+                            "damaged, so it is refused")
+
+
+def read_manifest(folder: Path) -> dict[str, str] | None:
+    """``{file name: checksum}`` of ``folder``'s ``checksums.json``; None only for a checkpoint written before
+    checkpoints were checksummed (its ``.metadata`` lacks :data:`MANIFEST_MARK`).
+
+    Raises:
+        UserError: the manifest is damaged, or missing from a checkpoint marked as having one (deleting the
+            file does not switch verification off), or the metadata is damaged.
+    """
+    manifest = read_checksums(folder)
+    if manifest is None and MANIFEST_MARK in SafeReader(folder).checked().read_metadata().storage_meta.modules:
+        raise UserError(f"checkpoint {folder} has lost its {CHECKSUMS} (it was written with one): its files cannot "
+                        "be verified, so it is treated as damaged")
+    return manifest
 
 
 def check_model_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> None:
@@ -247,7 +297,7 @@ def check_model_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> No
 def file_digest(path: Path, chunk: int = 16 << 20) -> str:
     """The :data:`HASH` checksum of a file, read in chunks."""
     hasher = hashlib.new(HASH)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
         while block := f.read(chunk):
             hasher.update(block)
     return hasher.hexdigest()
@@ -271,7 +321,7 @@ def mismatched_file(folder: Path, manifest: dict[str, str], rank: int = 0, ranks
     threads, as they were written (hashlib releases the GIL on large buffers)."""
     def matches(name: str) -> bool:
         path = Path(folder) / name
-        return path.is_file() and file_digest(path) == manifest[name]
+        return "/" not in name and path.is_file() and not path.is_symlink() and file_digest(path) == manifest[name]
 
     names = sorted(manifest)[rank::ranks]
     with ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="checkpoint-verify") as pool:

@@ -6,6 +6,7 @@ that does not fit the config, refused before any run directory exists."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed.checkpoint.storage import HASH, file_digest
 from tests.dist_utils import subprocess_env
 from tests.forked import run_forked
 from tests.jobs import RUN, reference_run, run_path
@@ -32,8 +34,9 @@ class Evil:
 
 @pytest.fixture
 def crafted_run(tiny_data, tmp_path, tmp_path_factory, request):
-    """A copy of a finished tiny run whose newest checkpoint holds a crafted file (``request.param``), with
-    every checksums.json removed (a crafter would rewrite them)."""
+    """A copy of a finished tiny run whose newest checkpoint holds a crafted file (``request.param``) and a
+    checksums.json rewritten to match (as a crafter would); the older checkpoint lost its checksums.json, so it
+    is no trusted fallback."""
     run = tmp_path / "run"
     shutil.copytree(reference_run(tmp_path_factory, tiny_data, [], 1)(), run)
     folder = run / "checkpoints" / "step_00000024"
@@ -44,6 +47,8 @@ def crafted_run(tiny_data, tmp_path, tmp_path_factory, request):
         (folder / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
     else:
         torch.save({"train_state": Evil(marker)}, folder / "rank0.pt")
+    files = {p.name: file_digest(p) for p in folder.iterdir()}
+    (folder / "checksums.json").write_text(json.dumps({"hash": HASH, "files": files}))
     return run, folder / request.param, marker
 
 

@@ -4,6 +4,7 @@ auto-resume, ``evaluate.py``, ``tools.export_model``): ``tests/e2e/test_untruste
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -15,11 +16,12 @@ import pytest
 import torch
 
 from distributed.checkpoint.folder import CHECKSUMS, LATEST, METADATA
-from distributed.checkpoint.storage import METADATA_CLASSES, RestrictedUnpickler, check_model_shapes
+from distributed.checkpoint.storage import (HASH, MANIFEST_MARK, METADATA_CLASSES, RestrictedUnpickler, SafeReader,
+                                            check_model_shapes, file_digest)
 from networks.vit import VisionTransformer
 from tests.multiprocess.test_checkpoint import SMALL, LOGGER, assert_same, make_run, make_world, snapshot, train
-from utils.core.errors import UserError
-from utils.core.errors import UnsafeCheckpoint
+from utils.core.errors import UnsafeCheckpoint, UserError
+from utils.core.files import RECORD_LIMIT
 from utils.core.safe_load import load_plain
 
 
@@ -44,6 +46,12 @@ def two_checkpoints(directory: Path) -> dict:
     return want
 
 
+def rewrite_manifest(folder: Path) -> None:
+    """What a crafter does after changing files: checksums.json rewritten to match them."""
+    files = {p.name: file_digest(p) for p in folder.iterdir() if p.name != CHECKSUMS}
+    (folder / CHECKSUMS).write_text(json.dumps({"hash": HASH, "files": files}))
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -66,12 +74,57 @@ def test_a_flipped_byte_in_any_file_falls_back_naming_the_file(tmp_path, caplog)
         assert len(warnings) == 1 and f"step_00000002/{name} does not match its checksum" in warnings[0], warnings
 
 
-def test_checksums_off_writes_none_and_loads(tmp_path):
+def test_checksums_off_writes_none_and_loads(tmp_path, caplog):
+    """Written without checksums, a checkpoint is unmarked, as those written before checksums existed: it loads
+    (with a warning when the loading run verifies)."""
     run = make_run(tmp_path, make_world(), checkpoint_checksums=False)
     train(run, 1)
     run.manager.save(1)
     assert not (tmp_path / "step_00000001" / CHECKSUMS).exists()
+    assert MANIFEST_MARK not in SafeReader(tmp_path / "step_00000001").checked().read_metadata().storage_meta.modules
+    assert make_run(tmp_path, make_world(), seed=1, checkpoint_checksums=False).manager.load() == 1
     assert make_run(tmp_path, make_world(), seed=1).manager.load() == 1
+    assert any("written before checkpoints were checksummed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["deleted", "a link", "a FIFO", "a directory", "huge"])
+def test_a_lost_manifest_is_damage_not_a_pass(tmp_path, caplog, how):
+    """Deleting (or replacing) checksums.json does not switch verification off: the checkpoint is marked as
+    having one, so it counts as damaged and the load falls back to the older one, naming why."""
+    want = two_checkpoints(tmp_path)
+    manifest = tmp_path / "step_00000002" / CHECKSUMS
+    assert MANIFEST_MARK in SafeReader(manifest.parent).checked().read_metadata().storage_meta.modules
+    flip_byte(next(manifest.parent.glob("*.distcp")))  # what the missing manifest would have caught
+    manifest.unlink()
+    if how == "a link":
+        manifest.symlink_to(tmp_path / "step_00000001" / CHECKSUMS)
+    elif how == "a FIFO":
+        os.mkfifo(manifest)
+    elif how == "a directory":
+        manifest.mkdir()
+    elif how == "huge":
+        with open(manifest, "wb") as f:
+            f.truncate(RECORD_LIMIT + 1)
+    fresh = make_run(tmp_path, make_world(), seed=1)
+    assert fresh.manager.load() == 1
+    assert_same(snapshot(fresh), want)
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "step_00000002" in warnings[0], warnings
+    assert ("has lost its checksums.json" if how == "deleted" else str(manifest)) in warnings[0], warnings
+
+
+@pytest.mark.parametrize("shard_path", ["../step_00000001/__0_0.distcp", "/etc/hostname", "..", "", "a\x00b"])
+def test_a_shard_path_outside_its_folder_is_refused(tmp_path, shard_path):
+    """A crafted ``.metadata`` of allow-listed classes only, pointing a shard at another file: refused before DCP
+    opens anything."""
+    two_checkpoints(tmp_path)
+    folder = tmp_path / "step_00000002"
+    metadata = SafeReader(folder).checked().read_metadata()
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].relative_path = shard_path
+    (folder / METADATA).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UserError, match="which is not a file of its own folder"):
+        SafeReader(folder).checked()
 
 
 @pytest.mark.parametrize("target", [METADATA, "rank0.pt"])
@@ -79,12 +132,12 @@ def test_a_crafted_file_is_refused_and_runs_no_code(tmp_path, target):
     two_checkpoints(tmp_path)
     marker = tmp_path / "marker"
     folder = tmp_path / "step_00000002"
-    for step in ("step_00000001", "step_00000002"):  # a crafter rewrites the checksums too: drop them
-        (tmp_path / step / CHECKSUMS).unlink()
+    (tmp_path / "step_00000001" / CHECKSUMS).unlink()  # no trusted fallback either
     if target == METADATA:
         (folder / METADATA).write_bytes(pickle.dumps(Evil(marker)))
     else:
         torch.save({"toy": Evil(marker)}, folder / "rank0.pt")
+    rewrite_manifest(folder)  # a crafter rewrites the checksums too
     with pytest.raises(UnsafeCheckpoint, match="could run code, so it is refused") as err:
         make_run(tmp_path, make_world(), seed=1).manager.load()  # never falls back to step 1: nothing to trust here
     assert str(folder / target) in str(err.value) and "\n" not in str(err.value)

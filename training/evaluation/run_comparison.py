@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from utils.core.errors import UserError
+from utils.core.files import read_bounded, read_jsonl
 
 # config keys that differ between runs by construction, or say how a run was started, not what it trained
 # (``--resume never`` repeats a run; the repeat's table row would otherwise differ from it in ``resume``)
@@ -84,7 +85,7 @@ def _read_json(text: str, where: str) -> dict:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text()
+        return read_bounded(path).decode()
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {path}: {exc}; check the file and its permissions") from None
 
@@ -95,14 +96,18 @@ def load_metrics(path: Path) -> list[dict]:
     Raises:
         UserError: a line is not a JSON object, lacks ``iteration``/``elapsed_s``, or has a non-numeric metric.
     """
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
+    try:
+        lines = read_jsonl(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}, {exc}; the file is corrupt, fix or delete the line") from None
     epochs = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, record in lines:
         where = f"{path}, line {lineno}"
-        record = _read_json(line, where)
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}; the file is corrupt, "
+                            "fix or delete it")
         missing = [k for k in REQUIRED_KEYS if k not in record]
         bad = [k for k, v in record.items()
                if (k in NUMERIC_KEYS or k.startswith("rmse/")) and v is not None and not _is_number(v)]

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
 from utils.core.errors import Preempted, UserError, free_space
-from utils.core.files import write_json_atomic
+from utils.core.files import open_append, read_bounded, read_jsonl, write_json_atomic, write_text_atomic
 from utils.core.lock import is_held
 from training.monitor.memory import format_memory
 
@@ -41,9 +41,13 @@ def now() -> str:
 
 
 def read_run_record(run_dir: Path) -> dict:
-    """``run_dir/run.json`` as a dict; empty when it is missing or not JSON."""
+    """``run_dir/run.json`` as a dict (read bounded, never through a link); empty when it is missing or not JSON.
+
+    Raises:
+        NotOurs: ``run.json`` is a link, not a regular file, or larger than any run record.
+    """
     try:
-        record = json.loads((Path(run_dir) / "run.json").read_text())
+        record = json.loads(read_bounded(Path(run_dir) / "run.json"))
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -152,7 +156,7 @@ class Reporter(Component):
             self._truncate_metrics(resumed_step)
         self.record = record
         write_json_atomic(self.run_dir / "run.json", record)
-        (self.run_dir / "config.yaml").write_text(self.config_yaml)
+        write_text_atomic(self.run_dir / "config.yaml", self.config_yaml)
         purge = None if resumed_step is None else resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge)
         hp = {k: hparam_value(v) for k, v in record["config"].items()}
@@ -168,9 +172,15 @@ class Reporter(Component):
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
-        if path.is_file():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["iteration"] <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+        if not os.path.lexists(path):
+            return
+        try:
+            records = read_jsonl(path)
+            kept = [r for _, r in records if int(r["iteration"]) <= step]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"{path} is damaged ({type(exc).__name__}: {exc}); move it away to resume without "
+                            "the earlier epochs' records") from None
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def epoch_start(self, state) -> None:
         # batch jobs (SLURM) get plain lines even when srun hands them a terminal
@@ -211,8 +221,11 @@ class Reporter(Component):
                 if key not in NOT_SCALARS and not key.endswith("_rank") and isinstance(value, (int, float)):
                     self.writer.add_scalar(tensorboard_tag(key), value, record["iteration"])
             self.writer.flush()
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            fd = open_append(self.run_dir / "metrics.jsonl")
+            try:
+                os.write(fd, (json.dumps(record) + "\n").encode())  # one write: a kill tears at most this line
+            finally:
+                os.close(fd)
         except OSError as exc:  # TensorBoard's writer thread re-raises its own write errors here
             self.writer = None  # it cannot be flushed or closed any more
             raise UserError(f"writing the run's logs in {self.run_dir} failed: {exc.strerror or exc} "

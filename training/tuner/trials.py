@@ -23,6 +23,7 @@ import copy
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -35,6 +36,7 @@ from distributed.world import World, broadcast_from_main
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
 from utils.core.errors import OutOfMemory
+from utils.core.files import open_append, read_jsonl, write_text_atomic
 from utils.data.loaders import build_data
 from training.monitor.flops import peak_flops, vit_flops_per_sample
 from training.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
@@ -216,12 +218,14 @@ class Journal:
         self._new_dirs = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
         if world.is_main and not self.trials:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+            write_text_atomic(path, json.dumps({"fingerprint": fingerprint}) + "\n")
 
     def _read(self, fingerprint: dict) -> dict[int, Trial]:
         try:
-            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            lines = [line for _, line in read_jsonl(self.path)]
         except (OSError, ValueError):
+            return {}
+        if not all(isinstance(line, dict) for line in lines):
             return {}
         if not lines or lines[0].get("fingerprint") != fingerprint:
             return {}
@@ -236,8 +240,11 @@ class Journal:
         return trials
 
     def _append(self, entry: dict) -> None:
-        with open(self.path, "a") as f:  # one write per line: appends of ranks do not interleave
-            f.write(json.dumps(entry) + "\n")
+        fd = open_append(self.path)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode())  # one write per line: appends of ranks do not interleave
+        finally:
+            os.close(fd)
 
     def running(self, trial: Trial) -> None:
         if self.world.is_main:
@@ -264,10 +271,10 @@ class Journal:
         if not self.world.is_main:
             return
         try:
-            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            lines = [line for _, line in read_jsonl(self.path)]
         except (OSError, ValueError):
             return
-        if any("trial" in line or "oom" in line for line in lines):
+        if any(not isinstance(line, dict) or "trial" in line or "oom" in line for line in lines):
             return
         self.path.unlink(missing_ok=True)
         for directory in self._new_dirs:  # innermost first; a folder something else wrote to stays

@@ -16,6 +16,7 @@ from utils.config.schema import Config, TuneConfig
 from utils.config.types import AUTO
 from utils.config.validate import batch_sizes
 from utils.core.errors import UserError
+from utils.core.files import read_bounded
 from utils.data.dataset import ERA5Dataset
 from training.tuner.report import plot, report_table, save_json
 from training.tuner.search import OBJECTIVES, Trial, choice_args, choose, combine, scaled_iterations, search
@@ -308,7 +309,7 @@ def recorded_choice(run_dir: Path | None) -> tuple[int, float | None] | None:
     if run_dir is None:
         return None
     try:
-        choice = json.loads((run_dir / TUNE_FILE).read_text())["choice"][AUTO_OBJECTIVE]
+        choice = json.loads(read_bounded(run_dir / TUNE_FILE))["choice"][AUTO_OBJECTIVE]
         return int(choice["local_batch_size"]), args_lr(choice["args"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -11,53 +11,72 @@ it came from and the fix. ``--help [KEY]``, ``--list-configs`` and ``--print-con
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from utils.config.schema import KEYS, SECTIONS, Config
-from utils.config.types import check_value, coerce, plain, type_name
+from utils.config.types import check_value, coerce, type_name
 from utils.core.errors import UserError, closest
+from utils.core.files import check_output_path, read_bounded
 
 DEFAULT_YAML = "config/ViT.yaml"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def read_yaml(path: str | Path) -> dict[str, dict]:
-    """Parse a YAML file of named configs (merge keys resolved).
+def read_yaml(path: str | Path, follow: bool = True) -> dict[str, dict]:
+    """Parse a YAML file of named configs (merge keys resolved); ``follow=False`` for a run directory's own
+    ``config.yaml``, which is never read through a symbolic link.
 
     Raises:
-        UserError: missing or unreadable file, text that is not UTF-8 (binary, UTF-16), invalid YAML, an
-            anchor that contains itself, a key repeated inside one mapping (which YAML merge keys would
-            otherwise resolve silently), or a document that is not ``name: {setting: value}`` with names.
+        UserError: missing or unreadable file, not a regular file or over :data:`MAX_YAML_BYTES`, text that is
+            not UTF-8 (binary, UTF-16), invalid YAML, nesting deeper than :data:`MAX_DEPTH`, an anchor that
+            contains itself, a key repeated inside one mapping (which YAML merge keys would otherwise resolve
+            silently), or a document that is not ``name: {setting: value}`` with names.
     """
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
     path = Path(path)
     if not path.is_file() and not path.is_absolute() and (REPO / path).is_file():
         path = REPO / path  # the shipped configs, wherever the run is started from
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"config file {path} not found; pass --yaml_config config/ViT.yaml")
-    text = _read_text(path)
+    text = _read_text(path, follow)
     yaml = YAML(typ="safe", pure=True)
     try:
-        _reject_duplicate_keys(yaml.compose(text), path)
+        _check_depth(yaml.parse(text), path)
+        _reject_duplicate_keys(yaml.compose(text), path, set(), ())
         data = yaml.load(text)
     except YAMLError as exc:
         problem = " ".join(str(getattr(exc, "problem", "") or exc).split())
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise UserError(f"config file {path} is not valid YAML ({problem}{where}); fix the file") from None
-    except RecursionError:
-        raise UserError(f"config file {path} has an anchor that refers to itself (&name ... *name inside it); "
-                        "merge anchors of other configs only") from None
     _check_shape(data, path)
     return data
 
 
-def _read_text(path: Path) -> str:
-    """The file's text (UTF-8, with or without a byte-order mark). Raises UserError for anything else."""
+MAX_YAML_BYTES = 1 << 20  # a config file is a few kB
+MAX_DEPTH = 8  # nesting of a config file: names -> settings -> a list value (3); more is not a config
+
+
+def _check_depth(events, path: Path) -> None:
+    """Refuse a document nested deeper than :data:`MAX_DEPTH` from its parser events (linear in the text, before
+    the recursive composer could run out of stack)."""
+    from ruamel.yaml.events import CollectionEndEvent, CollectionStartEvent
+    depth = 0
+    for event in events:
+        depth += isinstance(event, CollectionStartEvent) - isinstance(event, CollectionEndEvent)
+        if depth > MAX_DEPTH:
+            raise UserError(f"config file {path} line {event.start_mark.line + 1}: nested more than {MAX_DEPTH} "
+                            "levels deep; a config file is name: {key: value} with lists like [a, b]")
+
+
+def _read_text(path: Path, follow: bool = True) -> str:
+    """The file's text (UTF-8, with or without a byte-order mark), read bounded (:data:`MAX_YAML_BYTES`), from a
+    regular file, through a symbolic link only with ``follow``. Raises UserError for anything else."""
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, MAX_YAML_BYTES, follow=follow)
     except OSError as exc:
         raise UserError(f"config file {path} cannot be read ({exc.strerror}); check its permissions") from None
     if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
@@ -86,8 +105,18 @@ def _check_shape(data: Any, path: Path) -> None:
                             "setting name (a string, like lr: 0.001)")
 
 
-def _reject_duplicate_keys(node, path: Path) -> None:
+def _reject_duplicate_keys(node, path: Path, done: set[int], inside: tuple[int, ...]) -> None:
+    """Raise UserError for a key repeated inside one mapping, or an anchor that contains itself. Each node is
+    checked once (``done``): an alias re-uses its anchor's node, so re-walking it would make nested aliases
+    exponential; ``inside`` holds the nodes on the way down, to find an alias of one of them."""
     from ruamel.yaml.nodes import MappingNode, SequenceNode
+    if id(node) in inside:
+        raise UserError(f"config file {path} line {node.start_mark.line + 1} has an anchor that refers to itself "
+                        f"(*{node.anchor} inside &{node.anchor}); merge anchors of other configs only")
+    if id(node) in done:
+        return
+    done.add(id(node))
+    inside = (*inside, id(node))
     if isinstance(node, MappingNode):
         seen: dict[str, int] = {}
         for k, v in node.value:
@@ -97,19 +126,21 @@ def _reject_duplicate_keys(node, path: Path) -> None:
                     raise UserError(f"config file {path} line {k.start_mark.line + 1}: key '{name}' repeats the "
                                     f"one on line {seen[name]} in the same mapping; keep one of them")
                 seen[name] = k.start_mark.line + 1
-            _reject_duplicate_keys(v, path)
+            _reject_duplicate_keys(v, path, done, inside)
     elif isinstance(node, SequenceNode):
         for item in node.value:
-            _reject_duplicate_keys(item, path)
+            _reject_duplicate_keys(item, path, done, inside)
 
 
 def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | None = None) -> Config:
     """Config ``name`` of ``yaml_path`` with ``overrides`` (``{key: str or typed value}``) applied.
 
     Raises:
-        UserError: unknown config name or key (naming the closest), a value of the wrong type or
+        UserError: a config name that is not a plain name (``../x``: it names the run's folder under
+            ``--expdir``), unknown config name or key (naming the closest), a value of the wrong type or
             outside its choices or range.
     """
+    check_output_path("--config", name, name=True)  # the run directory's name under --expdir, like --run_num
     configs = read_yaml(yaml_path)
     if name not in configs:
         raise UserError(f"config {name!r} not in {yaml_path}{closest(name, configs)} "
@@ -150,9 +181,26 @@ def _set(cfg: Config, key: str, raw: Any, where: str) -> None:
                         f"got {show_value(raw)}") from None
 
 
-def show_value(value: Any) -> str:
-    """A value as the messages show it: strings quoted, lists and numbers as JSON."""
-    return json.dumps(plain(value)) if not isinstance(value, str) else repr(value)
+def show_value(value: Any, limit: int = 80) -> str:
+    """A value as the messages show it: strings quoted, lists and numbers as JSON, cut at about ``limit``
+    characters (a list of aliases in a YAML file can stand for millions of items: only what is shown is
+    visited)."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, (list, tuple)):
+        parts, used = [], 0
+        for item in value:
+            if used > limit:
+                parts.append("...")
+                break
+            parts.append(show_value(item, limit - used))
+            used += len(parts[-1]) + 1
+        text = "[" + ",".join(parts) + "]"
+    elif isinstance(value, dict):
+        text = "{...}"
+    else:
+        text = json.dumps(value) if isinstance(value, (bool, int, float)) or value is None else repr(value)
+    return text if len(text) <= limit + 3 else text[:limit] + "..."
 
 
 def parse_overrides(argv: list[str]) -> dict[str, str]:
@@ -208,9 +256,9 @@ def load_run_config(run_dir: Path) -> Config:
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} not found; {RUN_DIR_HINT}")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"{run_dir} has no config.yaml; {RUN_DIR_HINT}")
-    names = list(read_yaml(path))
+    names = list(read_yaml(path, follow=False))
     if len(names) != 1:
         raise UserError(f"{path} holds {len(names)} configs ({', '.join(names)}); expected the one resolved config "
                         "that train.py writes: restore the run's file")

@@ -173,17 +173,44 @@ def _coerce_scalar(raw: Any, tp: type) -> Any:
         return str(raw)
     if isinstance(raw, bool) or isinstance(raw, (list, dict)):
         raise ValueError(f"expects {'an integer' if tp is int else 'a number'}")
+    if tp is int:
+        return _coerce_int(raw)
     try:
         number = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"expects {'an integer' if tp is int else 'a number'}") from None
-    if tp is float:
-        if number != number or number in (float("inf"), float("-inf")):
-            raise ValueError("expects a finite number")
-        return number
-    if not number.is_integer():
-        raise ValueError("expects an integer")
-    return int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("expects a number") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError("expects a finite number")
+    return number
+
+
+INT_MAX = 2**63 - 1  # an integer setting must fit a signed 64-bit integer (what tensors and C libraries take)
+FLOAT_INT_MAX = 2**53  # above it a float spelling (1.0e100) no longer names one integer exactly
+
+
+def _coerce_int(raw: Any) -> int:
+    """An int from an int, a decimal string, or a float spelling of a whole number up to :data:`FLOAT_INT_MAX`
+    (``1e3``); never through a float that would change it. Raises ValueError."""
+    if isinstance(raw, int):
+        value = raw
+    else:
+        text = str(raw).strip()
+        if len(text) > 40:  # more digits than any int64: int() of a huge string is quadratic
+            raise ValueError(f"expects an integer of at most {INT_MAX}")
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                raise ValueError("expects an integer") from None
+            if not number.is_integer() or abs(number) > FLOAT_INT_MAX:
+                raise ValueError("expects an integer" + (f" (write it in digits: a float spelling above {FLOAT_INT_MAX}"
+                                                         " is not exact)" if number.is_integer() else "")) from None
+            value = int(number)
+    if abs(value) > INT_MAX:
+        raise ValueError(f"expects an integer of at most {INT_MAX}")
+    return value
 
 
 def check_value(spec: KeySpec, value: Any) -> None:

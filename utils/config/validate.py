@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +83,12 @@ def _check_model(cfg: Config, launch: Launch) -> None:
     m, d = cfg.model, cfg.data
     h, w = d.img_size
     if h % m.patch_size or w % m.patch_size:
-        raise UserError(f"img_size [{h},{w}] is not a multiple of patch_size {m.patch_size}; pick "
-                        f"--img_size [{h - h % m.patch_size},{w - w % m.patch_size}] or another --patch_size")
+        tiling = math.gcd(h, w)
+        fits = [p for p in range(1, min(tiling + 1, m.patch_size)) if tiling % p == 0][-3:]  # patches that tile the grid
+        grid = (f"--img_size [{h - h % m.patch_size},{w - w % m.patch_size}] or " if min(h, w) >= m.patch_size
+                else "")  # rounding down a side smaller than the patch would give 0
+        raise UserError(f"img_size [{h},{w}] is not a multiple of patch_size {m.patch_size}; pick {grid}"
+                        f"--patch_size {' or '.join(map(str, fits))}")
     if m.embed_dim % m.num_heads:
         raise UserError(f"embed_dim {m.embed_dim} is not divisible by num_heads {m.num_heads}; pick "
                         f"--num_heads from {_divisors(m.embed_dim)}")

@@ -1,14 +1,34 @@
-"""Output paths checked before anything is written; atomic writes: a reader never sees half a file, and a failed
-write never replaces a good one."""
+"""The one way this project touches files it reads back or writes: output paths checked before anything is
+written; atomic writes (a reader never sees half a file, a failed write never replaces a good one); and the
+rules that keep a run's files its own:
+
+* never followed: a file of a run or checkpoint directory is opened with ``O_NOFOLLOW``, so a symbolic link
+  planted there is refused (naming the link) instead of truncating or appending to the file it points at;
+* never anything but a regular file: FIFOs, devices and directories are refused, and are opened with
+  ``O_NONBLOCK`` first so that a FIFO cannot hang the open;
+* never overwritten unless ours: :func:`write_atomic` never replaces something that is not a regular file, and
+  with ``overwrite=False`` (a tool's ``--out`` without ``--overwrite``) nothing that exists;
+* bounded: a record is read with a size limit (:data:`RECORD_LIMIT`), so a link to an endless file or a
+  huge file cannot take the host's memory; a torn last line of an append-only log (what a SIGKILL or a full
+  disk during an append leaves) is dropped with a warning.
+
+Every refusal is a :class:`NotOurs` (a :class:`UserError`: one line, exit 2).
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from utils.core.errors import UserError
+
+log = logging.getLogger(__name__)
 
 NAME_MAX = 255  # bytes in one file name: ext4, xfs, Lustre and GPFS alike
 PATH_MAX = 4096  # bytes in a whole path (Linux)
@@ -48,17 +68,128 @@ def output_path_type(flag: str) -> Callable[[str], Path]:
     return lambda text: check_output_path(flag, text)
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Write ``path`` with ``write(binary file)`` into ``<path>.tmp``, flushed to disk, then renamed over
-    ``path`` (``os.replace``: atomic on POSIX filesystems).
+RECORD_LIMIT = 64 << 20  # bytes: a run record (run.json, metrics.jsonl, a config, checksums.json) is far smaller
+
+
+class NotOurs(UserError):
+    """A path that this program will not read or write: a symbolic link, FIFO, device or directory where a
+    regular file belongs, an existing output without ``--overwrite``, or a record over its size limit."""
+
+
+def _kind(mode: int) -> str:
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a directory"
+            if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def _refuse(path: Path, what: str) -> NotOurs:
+    return NotOurs(f"{path} is {what}, not a regular file this program wrote: it is never followed or replaced; "
+                   "remove it (or pass another path)")
+
+
+def open_regular(path: str | Path, flags: int, mode: int = 0o644, follow: bool = False) -> int:
+    """``os.open(path, flags)`` of a regular file, never through a symbolic link in its last component
+    (``O_NOFOLLOW``; ``follow`` for a file the user names, such as ``--yaml_config``) and never a FIFO, device or
+    directory (opened ``O_NONBLOCK``, so a FIFO does not block,
+    checked with ``fstat``, then made blocking again). Returns the descriptor (``O_CLOEXEC``).
 
     Raises:
+        NotOurs: ``path`` is a link or not a regular file (naming what it is).
+        OSError: any other failure (missing, no permission, full disk).
+    """
+    try:
+        fd = os.open(path, flags | (0 if follow else os.O_NOFOLLOW) | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EWOULDBLOCK):
+            what = os.lstat(path).st_mode if os.path.lexists(path) else 0
+            raise _refuse(Path(path), _kind(what)) from None
+        raise
+    st_mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        raise _refuse(Path(path), _kind(st_mode))
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, follow: bool = False) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`), at most ``limit`` of them.
+
+    Raises:
+        NotOurs: a link, not a regular file, or longer than ``limit`` bytes (read no further).
+        OSError: missing or unreadable.
+    """
+    with os.fdopen(open_regular(path, os.O_RDONLY, follow=follow), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise NotOurs(f"{path} is larger than {limit} bytes, far more than this program writes there: it is not "
+                      "read; remove or replace it")
+    return data
+
+
+def read_jsonl(path: str | Path, limit: int = RECORD_LIMIT) -> list[tuple[int, Any]]:
+    """``(line number, record)`` of each line of the append-only JSON-lines log ``path`` (read as
+    :func:`read_bounded`; blank lines skipped). A last line that
+    does not parse and has no newline is torn (a SIGKILL or full disk during the append): it is dropped with a
+    warning, as a torn write should be.
+
+    Raises:
+        NotOurs: as :func:`read_bounded`.
+        ValueError: a line before the last is not JSON (naming the line), or the file is not UTF-8.
+        OSError: missing or unreadable.
+    """
+    text = read_bounded(path, limit).decode()
+    lines = text.split("\n")
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((lineno, json.loads(line)))
+        except ValueError:
+            if lineno == len(lines):  # no newline after it: the append never finished
+                log.warning("%s: dropped its torn last line %d (an append that never finished)", path, lineno)
+                break
+            raise ValueError(f"line {lineno}: not valid JSON") from None
+    return records
+
+
+def open_append(path: str | Path) -> int:
+    """A descriptor appending to the regular file ``path`` (created if missing), as :func:`open_regular`."""
+    return open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def check_replaceable(path: Path, overwrite: bool = True) -> None:
+    """Check that :func:`write_atomic` may put a file at ``path``: nothing there, or (``overwrite``) a regular
+    file. Called before anything is written, so a refused output leaves nothing behind.
+
+    Raises:
+        NotOurs: ``path`` is a link, FIFO, device or directory, or exists and ``overwrite`` is False.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _refuse(Path(path), _kind(mode))
+    if not overwrite:
+        raise NotOurs(f"{path} exists; pass --overwrite to replace it, or another path")
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], Any], overwrite: bool = True) -> None:
+    """Write ``path`` with ``write(binary file)`` into a new ``<path>.tmp`` (a leftover one is removed first,
+    never followed), flushed to disk, then renamed over ``path`` (``os.replace``: atomic on POSIX filesystems).
+
+    Raises:
+        NotOurs: ``path`` is not replaceable (:func:`check_replaceable`); nothing is written.
         OSError: or whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
     """
     path = Path(path)
+    check_replaceable(path, overwrite)
     tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a killed write, or a planted link: the link itself goes
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -68,11 +199,11 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, overwrite: bool = True) -> None:
     """:func:`write_atomic` of UTF-8 ``text``."""
-    write_atomic(path, lambda f: f.write(text.encode()))
+    write_atomic(path, lambda f: f.write(text.encode()), overwrite)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
+def write_json_atomic(path: Path, payload: Any, overwrite: bool = True) -> None:
     """:func:`write_atomic` of ``payload`` as indented JSON with a final newline."""
-    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n", overwrite)

@@ -14,6 +14,8 @@ import os
 import socket
 from pathlib import Path
 
+from utils.core.files import open_regular, read_bounded
+
 LOCK_FILE = ".lock"
 
 
@@ -38,9 +40,10 @@ class DirectoryLock:
 
         Raises:
             Held: another live process holds it.
+            NotOurs: the lock file is a symbolic link or not a regular file (never followed).
             OSError: the lock file cannot be created or locked (no permission, no locking on this file system).
         """
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -64,7 +67,7 @@ class DirectoryLock:
 def owner(directory: Path) -> str:
     """What ``directory``'s lock file says about its owner (``host H pid P``), or ``an unknown process``."""
     try:
-        text = (Path(directory) / LOCK_FILE).read_text(errors="replace").strip()
+        text = read_bounded(Path(directory) / LOCK_FILE, 4096).decode(errors="replace").strip()
     except OSError:
         text = ""
     return text or "an unknown process"
@@ -72,10 +75,14 @@ def owner(directory: Path) -> str:
 
 def is_held(directory: Path) -> bool:
     """Whether a live process (this one included, through another lock) holds ``directory``'s lock; probed with
-    a lock of the probe's own, released at once, so a free lock stays free."""
+    a lock of the probe's own, released at once, so a free lock stays free.
+
+    Raises:
+        NotOurs: the lock file is a symbolic link or not a regular file (never followed).
+    """
     path = Path(directory) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = open_regular(path, os.O_RDWR)
     except OSError:
         return False
     try:

@@ -8,12 +8,14 @@ recorded, and the run stops with the preemption status before its first step, ha
 The handler only records the signal: saving from inside a handler could run in the middle of a backward
 pass or a collective. The trainer reads the flag at each step boundary through its per-step all-reduce, so
 every rank sees the same verdict at the same step, even when only some ranks got the signal. Then each rank
-writes the checkpoint and the run exits with :data:`utils.core.errors.EXIT_PREEMPTED`. A second Ctrl-C does
-not wait: it stops the process at once (``KeyboardInterrupt``, one line, exit status 130).
+writes the checkpoint and the run exits with :data:`utils.core.errors.EXIT_PREEMPTED`. A Ctrl-C after any
+recorded signal (a second Ctrl-C, or one after SLURM's SIGTERM or SIGUSR1) does not wait: it stops the process
+at once (``KeyboardInterrupt``, one line, exit status 130), even one stuck before its next step.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -44,8 +46,8 @@ class PreemptionFlag:
         self._previous, self.signum = {}, 0
 
     def _record(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if signum == signal.SIGINT and self.signum:
+            raise KeyboardInterrupt  # Ctrl-C once a stop is already asked for: stop now
         self.signum = self.signum or signum
 
 
@@ -54,7 +56,14 @@ PREEMPTION = PreemptionFlag()
 
 
 def install() -> PreemptionFlag:
-    """Catch the preemption signals from now on (the entry points' first statement); returns the flag."""
+    """Catch the preemption signals from now on (the entry points' first statement, before torch is imported);
+    returns the flag.
+
+    Also asks torch's C++ side for errors only (``TORCH_CPP_LOG_LEVEL=ERROR``, unless the user set it; read
+    once, when torch is imported): when a peer dies, its TCPStore client logs each failed socket call as a
+    warning with a C++ stack, dozens of lines before the failure channel's one line naming the lost rank.
+    """
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return PREEMPTION.install()
 
 

@@ -155,8 +155,8 @@ def read_metadata(path: Path, n_channels: int, h: int) -> tuple[list[str], np.nd
         degrees from dataset ``latitude`` (equiangular, :func:`equiangular_latitudes`, without one).
 
     Raises:
-        UserError: h5py cannot read the file, or ``latitude`` is not a 1-D numeric array of at
-            least ``h`` finite values in [-90, 90] (it weights the metrics); names the file.
+        UserError: h5py cannot read the file, or ``latitude`` is not a 1-D numeric array of at least ``h``
+            finite values in [-90, 90] running north to south (it weights the metrics); names the file.
     """
     try:
         with h5py.File(path, "r") as f:
@@ -193,4 +193,8 @@ def _latitudes(node: h5py.Dataset | h5py.Group, path: Path, h: int) -> np.ndarra
     if np.abs(lat).max() > 90:
         raise UserError(f"{path}: '{LATITUDE}' runs from {lat.min():g} to {lat.max():g}, outside [-90, 90] "
                         f"degrees; {fix}")
+    if lat.size > 1 and not (np.diff(lat) < 0).all():  # the crop, the weights and the climatology assume it
+        order = "south to north" if (np.diff(lat) > 0).all() else "in no single direction"
+        raise UserError(f"{path}: '{LATITUDE}' runs {order} ({lat[0]:g}, {lat[1]:g}, ...); the layout stores rows "
+                        f"north to south: {fix}, which flips it")
     return lat[:h]

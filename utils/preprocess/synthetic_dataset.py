@@ -44,6 +44,7 @@ EXTRA_VARIABLES = ("z", "t", "u", "v", "r")
 START_YEAR = 2000
 N_WAVES = 4  # travelling waves per file
 BLOCK_BYTES = 256 * 2 ** 20  # time steps generated (and held) at once, in bytes of float32
+MAX_STEP_BYTES = 2 * 2 ** 30  # one time step of float32 fields at most (the block holds at least one)
 G = 9.80665  # m/s^2, to turn heights into geopotential
 
 
@@ -236,6 +237,28 @@ def _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt
     if seed < 0:  # NumPy seeds are non-negative
         raise layout.LayoutError(f"--seed must be >= 0, got {seed}")
     channel_names(channels)
+    step = channels * h * w * 4
+    if step > MAX_STEP_BYTES:  # one step is generated, held and accumulated at once: bounded before any work
+        raise layout.LayoutError(f"--img_size {h} {w} with {channels} channels makes one time step {step / 2**30:.1f} "
+                                 f"GiB, over the {MAX_STEP_BYTES / 2**30:.0f} GiB one step may take in memory; pass a "
+                                 "smaller --img_size (ERA5 at 0.25 degrees is 721 1440)")
+
+
+def _check_space(out_dir: str | Path, total: int) -> None:
+    """Refuse a dataset of ``total`` bytes that the file system under ``out_dir`` has no room for (before
+    anything is written)."""
+    import shutil
+    parent = Path(out_dir).absolute()
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        return
+    if total > free:
+        raise layout.LayoutError(f"the dataset would take {total / 2**30:.1f} GiB, more than the {free / 2**30:.1f} "
+                                 f"GiB free under {parent}; pass fewer --steps_per_year, years, channels or a smaller "
+                                 "--img_size, or another --out")
 
 
 @dataclass
@@ -309,11 +332,12 @@ def make_synthetic_dataset(out_dir: str | Path, channels: int = 4, img_size: tup
         workers: files generated in parallel processes (same output as 1).
 
     Raises:
-        LayoutError: invalid arguments, ``out_dir`` holds a dataset and ``overwrite`` is False,
-            or ``out_dir`` cannot be written.
+        LayoutError: invalid arguments (one time step over :data:`MAX_STEP_BYTES`), a dataset larger than the
+            free space, ``out_dir`` holds a dataset and ``overwrite`` is False, or ``out_dir`` cannot be written.
     """
     img_size = (int(img_size[0]), int(img_size[1]))
     _check_args(channels, img_size, train_years, valid_years, steps_per_year, dt_hours, seed, workers)
+    _check_space(out_dir, (train_years + valid_years) * steps_per_year * channels * img_size[0] * img_size[1] * 4)
     out = layout.prepare_output_dir(out_dir, overwrite)
     names = channel_names(channels)
     lat, lon = grid(img_size)
