@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from tests.jobs import assert_same_state, final_state, reference_run, run_job, run_path, run_record
+from tests.jobs import assert_same_state, final_state, metrics, reference_run, run_job, run_path, run_record
 
 
 # (ranks, arguments, whether to re-run the finished run too: that path does not depend on the
@@ -43,3 +43,19 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, 
     if again:
         rerun = run_job(cut, tiny_data, extra, ranks)  # a finished run: nothing to do
         assert all(p[0] == 0 and "is complete (24 iterations)" in p[1] for p in rerun)
+
+
+def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory):
+    """K rises 1 -> 2 -> 3 at iterations 6 and 12: killed after 13 (checkpoint at 10, K 2), the same command
+    continues the curriculum across the raise at 12 to bitwise the uninterrupted run."""
+    curriculum = ["--rollout_max_steps", "3", "--rollout_raise_every", "6", "--rollout_checkpointing", "true"]
+    whole = reference_run(tmp_path_factory, tiny_data, curriculum, 1)
+    cut = tmp_path / "cut"
+    run_job(cut, tiny_data, curriculum, 1, signal_at=13)
+    run = run_path(cut, 1)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    (status, out, err), = run_job(cut, tiny_data, curriculum, 1)
+    assert status == 0, err[-3000:]
+    assert "resumed at iteration 10" in (run / "out.log").read_text()
+    assert_same_state(run, whole(), tmp_path)
+    assert [m["train/rollout_steps"] for m in metrics(run)] == [2, 3, 3]  # epochs end at 8, 16, 24

@@ -26,6 +26,7 @@ from utils.core.errors import UserError
 from utils.evaluation.metrics import relative_l2_loss
 from utils.monitor.memory import GIB, host_memory_available
 from utils.monitor.profiling import nvtx_range
+from utils.train.rollout import max_rollout_steps, rollout_loss, step_weights
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class TrainingStep:
     max_grad_norm: float
     after_step: Callable[[], None] | None = None
     grad_factor: float = 1.0  # the loss's gradient is multiplied by it (context parallelism: cp)
+    rollout_weights: tuple[float, ...] = (1.0,)  # loss weight of each rollout step, up to the run's largest K
+    rollout_steps: int = 1  # K of the next steps (the trainer sets it from the curriculum)
+    rollout_recompute: bool = False  # activation checkpointing per rollout step
 
     def autocast(self) -> ContextManager:
         """Autocast to ``amp_dtype`` on this device, or nothing without AMP."""
@@ -105,8 +109,9 @@ class TrainingStep:
 
     def __call__(self, batches: Iterator[tuple], phase: Callable[[str], ContextManager] = _no_phase
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run one step on the next ``accum`` batches ``(input (B, C, H, W), targets (B, 1, C, H, W), sample
-        indices (B,))`` of ``batches``; ``phase(name)`` wraps the forward, backward and optimizer step
+        """Run one step on the next ``accum`` batches ``(input (B, C, H, W), targets (B, k, C, H, W), sample
+        indices (B,))`` of ``batches``, ``k >= rollout_steps`` (the loss: ``utils/train/rollout.py``);
+        ``phase(name)`` wraps the forward, backward and optimizer step
         (the trainer's OOM handler names the phase that ran out of memory).
 
         Returns:
@@ -120,8 +125,8 @@ class TrainingStep:
             indices.append(idx)
             with gradient_sync(self.model, micro == self.accum - 1):
                 with nvtx_range("forward"), phase("forward"), self.autocast():
-                    # training samples have one target (k = 1): tar[:, 0] is the next state, contiguous
-                    loss = self.loss_fn(self.model(inp), tar[:, 0]) / self.accum
+                    loss = rollout_loss(self.model, self.loss_fn, inp, tar, self.rollout_weights[:self.rollout_steps],
+                                        self.rollout_recompute) / self.accum
                 with nvtx_range("backward"), phase("backward"):
                     self.scaler.scale(loss * self.grad_factor if self.grad_factor != 1 else loss).backward()
             loss_total += loss.detach()
@@ -208,7 +213,9 @@ def training_step(cfg: Config, world: World, model: torch.nn.Module) -> Training
     # Eager, the loss and its backward are ~10 passes over full-resolution fields (~4 % of an H100
     # step at short_opt); compiled, they fuse into a few kernels.
     loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
+    # K starts at the run's largest, so what measures a step (the tuner, the planner) measures the largest
     return TrainingStep(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt)),
                         torch.amp.GradScaler(world.device.type, enabled=prec.amp_mode == "fp16"), loss_fn,
                         AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
-                        float8_step_hook(model, prec, uses_fsdp(cfg.parallel, world)), gradient_factor(world))
+                        float8_step_hook(model, prec, uses_fsdp(cfg.parallel, world)), gradient_factor(world),
+                        step_weights(opt), max_rollout_steps(opt), prec.rollout_checkpointing)

@@ -25,6 +25,7 @@ import logging
 import math
 import platform
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +56,7 @@ from utils.monitor.memory_profile import MemoryProfiler
 from utils.monitor.oom import OutOfMemoryHandler
 from utils.monitor.profiling import ProfilerWindow, nvtx_range
 from utils.monitor.reporter import Reporter, read_run_record, tensorboard_tag
+from utils.train.rollout import max_rollout_steps, rollout_steps_at
 from utils.train.run_dir import RunDir, open_run_dir, run_record
 from utils.train.state import TrainState
 from utils.train.step import (build_training_step, check_host_memory, count_parameters, plain_shapes,
@@ -90,7 +92,8 @@ class Trainer:
         self.accum = cfg.optim.grad_accum_steps
         self.data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed,
                                valid_target_steps=cfg.evaluation.valid_rollout_steps,
-                               valid_init_every=cfg.evaluation.valid_init_every)
+                               valid_init_every=cfg.evaluation.valid_init_every,
+                               train_target_steps=max_rollout_steps(cfg.optim))
         self.evaluator = Evaluator(cfg.evaluation, self.data, world,
                                    lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps))
         self.steps_per_epoch = self._steps_per_epoch()
@@ -182,7 +185,8 @@ class Trainer:
                                  run_record(cfg.name, recorded.flat(), {**self._world_info(), "data": self._data_info()}),
                                  to_yaml(recorded, exclude=("run_num",)),
                                  self._metric_tags(), math.ceil(cfg.optim.num_iters / self.steps_per_epoch),
-                                 self.last_loss)
+                                 self.last_loss, partial(rollout_steps_at, cfg.optim)
+                                 if max_rollout_steps(cfg.optim) > 1 else None)
         self.checkpoint = CheckpointManager(cfg.checkpoint, self.run_dir / "checkpoints", self.model, self.optimizer,
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, world, settle=self.settle,
@@ -266,9 +270,9 @@ class Trainer:
         """Run optimizer steps from ``state.step`` to ``num_iters``; returns the last epoch's record."""
         state = self.state
         n_epochs = math.ceil(state.total_steps / self.steps_per_epoch)
-        log.info("training %d iterations: %d epoch%s of %d steps (%d samples/epoch); run directory %s",
+        log.info("training %d iterations: %d epoch%s of %d steps (%d samples/epoch%s); run directory %s",
                  state.total_steps, n_epochs, "" if n_epochs == 1 else "s", self.steps_per_epoch,
-                 self.steps_per_epoch * self.global_bs, self.run_dir)
+                 self.steps_per_epoch * self.global_bs, self._rollout_note(), self.run_dir)
         self._stop_if_signalled(f"before iteration {self.state.step + 1}")
         record: dict = {}
         while not state.done:
@@ -277,6 +281,24 @@ class Trainer:
             for component in self.components:
                 component.epoch_end(state, record)
         return record
+
+    def _rollout_note(self) -> str:
+        """Rollout training: K (or the curriculum) and how many initial times of the training split K leaves (the
+        last ``(K - 1) * dt`` of each run of files have too few targets)."""
+        opt, ds = self.cfg.optim, self.data.train_dataset
+        k = max_rollout_steps(opt)
+        if k == 1:
+            return ""
+        steps = (f"rollout K {opt.train_rollout_steps} -> {k}, +1 every {opt.rollout_raise_every} "
+                 f"{opt.rollout_raise_unit}" if opt.rollout_max_steps else f"rollout K {k}")
+        if ds is None:
+            return f"; {steps}"
+        have = int(ds.offsets[-1])  # before --limit_nsamples
+        return f"; {steps}: {have} of {have + (k - 1) * ds.dt * len(ds.runs)} initial times have {k} targets"
+
+    def rollout_steps(self) -> int:
+        """K of the next optimizer step (the curriculum's, a function of the step and epoch: a resume continues it)."""
+        return rollout_steps_at(self.cfg.optim, self.state.step, self.state.epoch)
 
     def _stop_if_signalled(self, when: str) -> None:
         """A signal during start-up (every rank agrees): stop (before the run directory, or before the first step);
@@ -331,7 +353,8 @@ class Trainer:
         samples_per_s = steps * self.global_bs / elapsed if steps else math.nan
         record = {"epoch": epoch, "iteration": state.step, "epoch_time_s": elapsed, "samples_per_s": samples_per_s,
                   "data_wait_share": self.data_wait / elapsed, "lr": self.optimizer.param_groups[0]["lr"],
-                  "loss/train": state.epoch_loss_mean / max(1, state.epoch_step)}
+                  "loss/train": state.epoch_loss_mean / max(1, state.epoch_step),
+                  "train/rollout_steps": self.step_fn.rollout_steps}
         if self.peak_flops:
             record["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
         state.epoch, state.epoch_step, state.epoch_loss_sum, state.epoch_loss_mean = epoch + 1, 0, 0.0, 0.0
@@ -357,6 +380,7 @@ class Trainer:
 
     def train_step(self, batches) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns tensors for the late check."""
+        self.step_fn.rollout_steps = self.rollout_steps()
         loss, indices = self.step_fn(self._timed(batches), self.oom.phase)
         return {"loss": loss, "indices": indices, "step": self.state.step, **self._queue_readback(loss)}
 

@@ -55,6 +55,7 @@ from utils.data.loaders import build_data
 from utils.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
 from utils.monitor.memory import GIB
 from utils.monitor.module_table import load_trackers
+from utils.train.rollout import max_rollout_steps
 from utils.train.step import build_training_step, training_step
 from utils.tuner.report import PARTS, device_peak, governing, plan_table, submit_line
 from utils.tuner.search import Trial, choice_args
@@ -203,7 +204,8 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
             model = parallelize_model(model, cfg.parallel, cfg.precision, replace(world, dp=1))
         step = training_step(cfg, world, model)
         c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
-        batch = (torch.randn(local, c, h, w), torch.randn(local, 1, c, h, w), torch.arange(local))
+        k = max_rollout_steps(cfg.optim)  # the step runs the run's largest K (utils/train/step.py)
+        batch = (torch.randn(local, c, h, w), torch.randn(local, k, c, h, w), torch.arange(local))
         plan = _tracked(cfg, world, step, itertools.repeat(batch), local, global_batch)
     plan.notes.append("estimated: fake tensors (exact shapes and dtypes; no allocator rounding, cache or "
                       "fragmentation; CPU autocast; eager); nothing searched: run the planner on a GPU for the "
@@ -348,7 +350,8 @@ def measured_plan(cfg: Config, world: World, result: TuneResult, objective: str)
     cfg = trial_config(cfg, pick.local_batch_size)
     cfg.precision.enable_jit = False
     release(world.device)
-    data = build_data(cfg.data, pick.local_batch_size, world.dp_rank, world.dp, world.device, cfg.optim.seed)
+    data = build_data(cfg.data, pick.local_batch_size, world.dp_rank, world.dp, world.device, cfg.optim.seed,
+                      train_target_steps=max_rollout_steps(cfg.optim))
     try:
         step = build_training_step(cfg, world)
         plan = _tracked(cfg, world, step, endless(data.train), pick.local_batch_size, pick.global_batch_size)

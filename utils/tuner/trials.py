@@ -39,6 +39,7 @@ from utils.data.loaders import build_data
 from utils.monitor.flops import peak_flops, vit_flops_per_sample
 from utils.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
 from distributed.parallelize import AMP_DTYPES
+from utils.train.rollout import max_rollout_steps
 from utils.train.step import build_training_step, set_attention_backend
 from utils.tuner.search import Trial
 
@@ -167,7 +168,7 @@ class BatchTrials:
         """Warm up, then time ``steps`` steps (seconds); counters restart after the warm-up."""
         world = self.world
         data = build_data(cfg.data, cfg.optim.local_batch_size, world.dp_rank, world.dp, world.device,
-                          cfg.optim.seed)
+                          cfg.optim.seed, train_target_steps=max_rollout_steps(cfg.optim))
         try:
             step = build_training_step(cfg, world)
             batches = endless(data.train)
