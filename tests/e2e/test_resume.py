@@ -59,3 +59,19 @@ def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_dat
     assert "resumed at iteration 10" in (run / "out.log").read_text()
     assert_same_state(run, whole(), tmp_path)
     assert [m["train/rollout_steps"] for m in metrics(run)] == [2, 3, 3]  # epochs end at 8, 16, 24
+
+
+def test_fine_tune_from_a_run_killed_then_rerun_resumes_its_own_checkpoint(tiny_data, tmp_path, tmp_path_factory):
+    """--init_from a finished K=1 run, at K=2: SIGKILLed, the same command resumes the fine-tune's checkpoint (not
+    the source's weights again) and ends bitwise equal to the uninterrupted fine-tune."""
+    source = reference_run(tmp_path_factory, tiny_data, [], 1)()
+    fine_tune = ["--init_from", str(source), "--train_rollout_steps", "2", "--lr", "5e-4"]
+    whole = reference_run(tmp_path_factory, tiny_data, fine_tune, 1)
+    cut = tmp_path / "cut"
+    run_job(cut, tiny_data, fine_tune, 1, signal_at=13)
+    (status, _, err), = run_job(cut, tiny_data, fine_tune, 1)
+    assert status == 0, err[-3000:]
+    log = (run_path(cut, 1) / "out.log").read_text()
+    assert log.count(f"weights from {source}") == 1 and "resumed at iteration 10" in log
+    assert_same_state(run_path(cut, 1), whole(), tmp_path)
+    assert run_record(run_path(cut, 1))["config"]["init_from"] == str(source)

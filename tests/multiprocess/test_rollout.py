@@ -21,7 +21,8 @@ def last_metrics(run_dir):
 @pytest.fixture(scope="module")
 def single(tiny_data, tmp_path_factory):
     expdir = tmp_path_factory.mktemp("single")
-    return train_checkpoint(tiny_params(tiny_data, expdir, **STEPS)), last_metrics(expdir / "tiny" / "1CPU" / "00")
+    run_dir = expdir / "tiny" / "1CPU" / "00"
+    return train_checkpoint(tiny_params(tiny_data, expdir, **STEPS)), last_metrics(run_dir), run_dir
 
 
 @pytest.mark.parametrize("world_size,overrides", [
@@ -33,7 +34,7 @@ def single(tiny_data, tmp_path_factory):
 def test_rollout_training_matches_single_process(tiny_data, tmp_path, single, world_size, overrides):
     run_distributed(train_on_ranks, world_size, str(tiny_data), str(tmp_path), {**STEPS, **overrides})
     run_dir = tmp_path / "tiny" / f"{world_size}CPU" / "00"
-    state, metrics = single
+    state, metrics, _ = single
     assert_state_close(state, torch.load(run_dir / "checkpoints" / "model.pt")["model"], atol=1e-5)
     got = last_metrics(run_dir)
     assert got["train/rollout_steps"] == 2
@@ -43,9 +44,24 @@ def test_rollout_training_matches_single_process(tiny_data, tmp_path, single, wo
 def test_compiled_bf16_accumulated_rollout_trains_like_the_reference(tiny_data, tmp_path, single):
     """One process: torch.compile with per-step checkpointing and gradient accumulation against the eager reference
     (fp32), and bf16_pure close to it."""
-    state, _ = single
+    state, _, _ = single
     compiled = train_checkpoint(tiny_params(tiny_data, tmp_path / "jit", **STEPS, enable_jit="true",
                                             rollout_checkpointing="true", grad_accum_steps=2))
     assert_state_close(state, compiled, atol=1e-5)
     bf16 = train_checkpoint(tiny_params(tiny_data, tmp_path / "bf16", **STEPS, amp_mode="bf16_pure"))
     assert_state_close(state, bf16, atol=2e-2)
+
+
+def test_init_from_starts_from_the_runs_weights_not_its_optimizer_or_step(tiny_data, tmp_path, single):
+    from distributed.world import init_distributed
+    from utils.train.trainer import Trainer
+    source = single[2]
+    cfg = tiny_params(tiny_data, tmp_path, **{**STEPS, "init_from": str(source), "train_rollout_steps": 3,
+                                              "rollout_step_weights": "[]"})
+    trainer = Trainer(cfg, init_distributed(cfg.parallel))
+    try:
+        want = torch.load(source / "checkpoints" / "model.pt")["model"]
+        assert_state_close(want, trainer.model.state_dict(), atol=0)
+        assert trainer.state.step == 0 and not trainer.optimizer.state
+    finally:
+        trainer.close()

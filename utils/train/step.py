@@ -186,21 +186,31 @@ def check_host_memory(cfg: Config, world: World) -> None:
                         "fewer ranks per node")
 
 
-def build_training_step(cfg: Config, world: World) -> TrainingStep:
+def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor] | None = None) -> TrainingStep:
     """The parallel model (``distributed/parallelize.py``: float8, DDP, FSDP, TP/CP, AC, compile), Adam (fused
     on CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
     only: bf16, bf16_pure and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on
     ``world``. With fp8 on a GPU, rank 0 logs once where fp8 pays on it (a warning below that width).
 
-    Weights are seeded with ``optim.seed``, so every rank starts from the same ones.
+    Weights are seeded with ``optim.seed``, so every rank starts from the same ones; ``init`` (``--init_from``'s
+    plain ``state_dict``), when given, replaces them before the model is parallelized.
     """
     torch.manual_seed(cfg.optim.seed)
     opt, prec = cfg.optim, cfg.precision
     if prec.amp_mode == "fp8" and world.device.type == "cuda" and world.is_main:
         log_fp8_advice(torch.cuda.get_device_name(world.device), cfg.model.embed_dim)
-    model = build_parallel_model(partial(build_model, cfg.model, cfg.data), cfg.parallel, prec, world,
+    model = build_parallel_model(partial(_initialized_model, cfg, init), cfg.parallel, prec, world,
                                  opt.grad_accum_steps)
     return training_step(cfg, world, model)
+
+
+def _initialized_model(cfg: Config, init: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+    """The plain model, with the weights ``init`` when given (not on the meta device, where FSDP builds the shapes
+    only and takes rank 0's weights)."""
+    model = build_model(cfg.model, cfg.data)
+    if init is not None and not next(model.parameters()).is_meta:
+        model.load_state_dict(init)
+    return model
 
 
 def training_step(cfg: Config, world: World, model: torch.nn.Module) -> TrainingStep:

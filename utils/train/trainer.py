@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distributed.checkpoint.export import package_meta
+from distributed.checkpoint.export import package_meta, read_init_weights
 from distributed.checkpoint.files import resolve_checkpoint
 from distributed.checkpoint.manager import CheckpointManager
 from distributed.checkpoint.staging import register_pinned_memory
@@ -116,7 +116,7 @@ class Trainer:
         self._log_world()
         # first, so the allocator history an OOM snapshot holds covers the model's construction
         self.oom = OutOfMemoryHandler(cfg.memory, self.run_dir / "memory", world.rank, self.device, self.local_bs)
-        self._build_model()
+        self._build_model(None if run.resume else cfg.checkpoint.init_from)
         self.state = TrainState(data_parallel=world.dp, total_steps=cfg.optim.num_iters)
         self.read_back: tuple[int, float] | None = None  # (iteration, loss) of the newest step read back
         self.data_wait = 0.0  # host seconds of this epoch spent waiting for the loader
@@ -134,7 +134,11 @@ class Trainer:
 
     @staticmethod
     def _check_resume_source(cfg: Config, world: World) -> None:
-        """``--resume PATH``: a complete checkpoint of this model (read by rank 0, its verdict on every rank)."""
+        """``--resume PATH``: a complete checkpoint of this model; ``--init_from``: a model file of this model
+        (read by rank 0, its verdict on every rank)."""
+        if cfg.checkpoint.init_from is not None:
+            main_decides(lambda: read_init_weights(Path(cfg.checkpoint.init_from), plain_shapes(cfg)) and None, world,
+                         (UserError,))
         if cfg.checkpoint.resume in ("auto", "never"):
             return
         main_decides(lambda: check_model_shapes(resolve_checkpoint(Path(cfg.checkpoint.resume)), plain_shapes(cfg)),
@@ -156,12 +160,18 @@ class Trainer:
                             f"{self.accum}; lower it or use more samples")
         return steps
 
-    def _build_model(self) -> None:
+    def _build_model(self, init_from: str | None) -> None:
+        """The model, optimizer and step; a new run with ``--init_from`` starts from that run's weights (a
+        continued one from its own checkpoint: the same fine-tune command resumes the fine-tune)."""
         m = self.cfg.model
         log.info("model: %s embed %d depth %d heads %d patch %d, %.2fM parameters", m.nettype, m.embed_dim, m.depth,
                  m.num_heads, m.patch_size, count_parameters(self.cfg) / 1e6)
+        init = None
+        if init_from is not None:
+            init = read_init_weights(Path(init_from), plain_shapes(self.cfg))
+            log.info("weights from %s (a fine-tune: optimizer, schedule and step start afresh)", init_from)
         try:
-            self.step_fn = build_training_step(self.cfg, self.world)
+            self.step_fn = build_training_step(self.cfg, self.world, init)
         except RuntimeError as exc:  # the host ran out while building (other processes took memory meanwhile)
             if "DefaultCPUAllocator" not in str(exc):
                 raise
