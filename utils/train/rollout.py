@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.config.schema import OptimConfig
@@ -59,6 +60,10 @@ def rollout_loss(model: Callable[[torch.Tensor], torch.Tensor],
     """
     if len(weights) == 1:
         return loss_fn(model(inp), tar[:, 0])
+    return _SCOPE(_k_step_loss, model, loss_fn, inp, tar, weights, recompute)
+
+
+def _k_step_loss(model, loss_fn, inp, tar, weights, recompute) -> torch.Tensor:
     total, x = None, inp
     for j, w in enumerate(weights):
         last = j == len(weights) - 1
@@ -66,3 +71,16 @@ def rollout_loss(model: Callable[[torch.Tensor], torch.Tensor],
         term = w * loss_fn(x, tar[:, j])
         total = term if total is None else total + term
     return total / sum(weights)
+
+
+class RolloutScope(nn.Module):
+    """A parameterless module that calls ``fn``: the K applications of the model run inside one module call, so
+    PyTorch's memory trackers (``MemTracker``, ``FSDPMemTracker``: the planner, the memory profile) see a model
+    called K times by its parent, which they track, instead of a root called again, which they take for the next
+    iteration and refuse."""
+
+    def forward(self, fn, *args):
+        return fn(*args)
+
+
+_SCOPE = RolloutScope()
