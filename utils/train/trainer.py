@@ -366,7 +366,9 @@ class Trainer:
                   "loss/train": state.epoch_loss_mean / max(1, state.epoch_step),
                   "train/rollout_steps": self.step_fn.rollout_steps}
         if self.peak_flops:
-            record["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
+            # a sample is K model applications (the K of the epoch's last step)
+            record["mfu"] = (samples_per_s * self.flops_per_sample * self.step_fn.rollout_steps
+                             / (self.peak_flops * self.world.world_size))
         state.epoch, state.epoch_step, state.epoch_loss_sum, state.epoch_loss_mean = epoch + 1, 0, 0.0, 0.0
         self.loss_sum = torch.zeros((), device=self.device)
         return record

@@ -118,7 +118,8 @@ class BatchTrials:
         self.cfg, self.world, self.journal = cfg, world, journal
         self.warmup, self.steps = warmup, steps
         self.budget = None if cfg.tune.memory_budget_gib is None else cfg.tune.memory_budget_gib * GIB
-        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
+        # a sample is K model applications at the run's largest K, which the trials step
+        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data) * max_rollout_steps(cfg.optim)
         self.peak_flops = peak_flops(world.device, cfg.precision.amp_mode)
         prec, m = cfg.precision, cfg.model
         set_attention_backend(prec.attention_backend, world.device, m.embed_dim // m.num_heads,
