@@ -9,12 +9,15 @@ one from a parallel run (gathering the shards) is ``distributed/checkpoint/expor
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from utils.config.schema import SECTIONS, Config
 from utils.config.types import plain
+from utils.core.errors import UserError
+from utils.core.safe_load import load_plain
 from utils.data.layout import DEFAULT_STEP_HOURS, resolve_data_path
 from utils.data.metadata import equiangular_latitudes, read_channel_units
 from utils.data.stats import Stats
@@ -95,3 +98,37 @@ def _climatology(clim) -> dict:
     values = clim.read(cells).reshape(*clim.shape[:3], *clim.img_size)
     return {"values": torch.from_numpy(values), "hour": torch.as_tensor(clim.hours), "calendar": clim.calendar,
             "window_days": clim.window, "description": clim.describe()}
+
+
+def read_init_weights(source: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The weights ``--init_from source`` starts a fine-tune from: the plain ``state_dict`` in a finished run's
+    ``checkpoints/model.pt`` (``source`` the run directory, its ``checkpoints`` folder or the file itself), read
+    without running code and checked against ``expected`` (``{name: plain shape}`` of this config's model).
+
+    Raises:
+        UnsafeCheckpoint, UserError: no such file (an unfinished run), a damaged file, one that is not a model
+            file of this framework, or tensors missing, extra or of another shape (naming the first).
+    """
+    source = Path(source)
+    path = next((p for p in (source / "checkpoints" / FINAL_MODEL, source / FINAL_MODEL) if p.is_file()), source)
+    if path.is_dir():
+        raise UserError(f"--init_from {source}: no checkpoints/{FINAL_MODEL} there (the run has not finished); "
+                        f"let it finish, or write one with python -m tools.export_model {source}")
+    state = load_plain(path)
+    weights = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not all(torch.is_tensor(v) for v in weights.values()):
+        raise UserError(f"--init_from {path} is not a model file of this framework (no 'model' state_dict of "
+                        "tensors); pass a run directory or the checkpoints/model.pt a run or tools.export_model wrote")
+    for name, shape in expected.items():
+        if name not in weights:
+            raise UserError(f"--init_from {path} has no parameter {name}: it holds another model; start from a run "
+                            "of this model (embed_dim, depth, channels, img_size, patch_size)")
+        if tuple(weights[name].shape) != shape:
+            raise UserError(f"--init_from {path}: parameter {name} is {tuple(weights[name].shape)} there, {shape} "
+                            "here; start from a run of the same model (embed_dim, depth, channels, img_size, "
+                            "patch_size)")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise UserError(f"--init_from {path} has parameter {extra[0]} that this model lacks ({len(extra)} in all); "
+                        "start from a run of the same model")
+    return weights

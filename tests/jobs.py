@@ -111,7 +111,7 @@ def assert_same_state(run_dir: Path, reference: Path, tmp_path: Path) -> None:
 
 def metrics(run_dir: Path) -> list[dict]:
     """The reproducible part of ``metrics.jsonl``: losses, RMSE/ACC and learning rate by epoch."""
-    keep = ("epoch", "iteration", "loss/train", "loss/valid", "rmse/u10m", "acc/sp", "lr")
+    keep = ("epoch", "iteration", "loss/train", "loss/valid", "rmse/u10m", "acc/sp", "lr", "train/rollout_steps")
     return [{k: r.get(k) for k in keep} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 

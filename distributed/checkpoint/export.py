@@ -164,3 +164,4 @@ def _export_meta(run_dir: Path, cfg: Config) -> dict:
     except UserError as exc:
         return {"config": config_sections(cfg), "note": f"not self-contained: the data folder could not be read "
                                                         f"({exc}); Forecaster.from_run needs it"}
+

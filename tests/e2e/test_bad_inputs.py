@@ -127,6 +127,25 @@ def _nan_netcdf(data: Path) -> None:
                        "latitude": np.linspace(90, -90, 8), "longitude": np.arange(16) * 22.5}).to_netcdf(data / "nan.nc")
 
 
+def _init_file(kind: str) -> Callable[[Path], list[str]]:
+    """A case whose --init_from is a file next to the data: ``damaged`` (truncated), ``foreign`` (a torch file
+    without a model) or ``wider`` (the tiny model with embed_dim 32)."""
+    def write(data: Path) -> list[str]:
+        import torch
+        path = data / "init.pt"
+        if kind == "wider":
+            from networks.vit import build_model
+            from utils.config.loading import load_config
+            cfg = load_config(str(ROOT / "config" / "ViT.yaml"), "tiny", {"embed_dim": "32"})
+            torch.save({"model": build_model(cfg.model, cfg.data).state_dict()}, path)
+        else:
+            torch.save({"weights": [1, 2, 3]}, path)
+            if kind == "damaged":
+                path.write_bytes(path.read_bytes()[:100])
+        return ["--init_from", str(path)]
+    return write
+
+
 @dataclass
 class Case:
     id: str
@@ -176,6 +195,20 @@ CASES = [
     Case("run_num with a newline", ["--run_num", "00\n"], ["contains the control character '\\n'"]),
     Case("run_num too long", ["--run_num", "r" * 300], ["is 300 bytes, longer than the 255"]),
     Case("empty expdir", ["--expdir", ""], ["--expdir is empty"]),
+    Case("rollout steps 0", ["--train_rollout_steps", "0"], ["--train_rollout_steps must be >= 1, got 0"]),
+    Case("rollout curriculum that goes down", ["--train_rollout_steps", "3", "--rollout_max_steps", "2"],
+         ["--rollout_max_steps 2 is below --train_rollout_steps 3", "only raises K"]),
+    Case("rollout weights of another length", ["--train_rollout_steps", "2", "--rollout_step_weights", "[1,1,1]"],
+         ["--rollout_step_weights has 3 weight(s) but the run trains up to 2 rollout steps"]),
+    Case("per-step checkpointing without rollout", ["--rollout_checkpointing", "true"],
+         ["--rollout_checkpointing has no effect with one rollout step"]),
+    Case("init_from a missing run", ["--init_from", "/nonexistent/run"], ["--init_from /nonexistent/run: no such"]),
+    Case("init_from a damaged file", [], ["cannot read", "init.pt", "damaged"], spoil=_init_file("damaged")),
+    Case("init_from a foreign file", [], ["init.pt is not a model file of this framework"],
+         spoil=_init_file("foreign")),
+    Case("init_from another model", [], ["parameter pos_embed is (1, 128, 32) there, (1, 128, 64) here"],
+         spoil=_init_file("wider")),
+    Case("init_from with resume", ["--init_from", "{data}", "--resume", "{data}"], ["pass one of them"]),
     Case("resume from a missing folder", ["--resume", "/nonexistent/ckpt"], ["--resume /nonexistent/ckpt: no such"]),
     Case("help for an unknown key", ["--help", "lrr"], ["--help lrr: unknown config key", "did you mean lr"]),
     # ---- config files
@@ -209,6 +242,8 @@ CASES = [
     Case("too few samples for a batch", ["--global_batch_size", "4096"], ["fewer than one global batch"]),
     Case("rollout longer than the validation files", ["--valid_rollout_steps", "1000"],
          ["too few for 1000 rollout steps", "use at most"]),
+    Case("rollout longer than the training files", ["--train_rollout_steps", "1000"],
+         ["too few for 1000 rollout steps", "use at most", "(--train_rollout_steps "]),
     Case("unknown key channel", ["--key_channels", "[nope]"], ["channel 'nope'", "u10m"]),
     Case("unknown plot channel", ["--plot_channel", "nope"], ["channel 'nope'"]),
     Case("file without fields", [], ["has no 'fields' dataset"], spoil=_rename_fields),

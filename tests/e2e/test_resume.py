@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from tests.jobs import assert_same_state, final_state, reference_run, run_job, run_path, run_record
+from tests.jobs import assert_same_state, final_state, metrics, reference_run, run_job, run_path, run_record
 
 
 # (ranks, arguments, whether to re-run the finished run too: that path does not depend on the
@@ -43,3 +43,35 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, 
     if again:
         rerun = run_job(cut, tiny_data, extra, ranks)  # a finished run: nothing to do
         assert all(p[0] == 0 and "is complete (24 iterations)" in p[1] for p in rerun)
+
+
+def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory):
+    """K rises 1 -> 2 -> 3 at iterations 6 and 12: killed after 13 (checkpoint at 10, K 2), the same command
+    continues the curriculum across the raise at 12 to bitwise the uninterrupted run."""
+    curriculum = ["--rollout_max_steps", "3", "--rollout_raise_every", "6", "--rollout_checkpointing", "true"]
+    whole = reference_run(tmp_path_factory, tiny_data, curriculum, 1)
+    cut = tmp_path / "cut"
+    run_job(cut, tiny_data, curriculum, 1, signal_at=13)
+    run = run_path(cut, 1)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+    (status, out, err), = run_job(cut, tiny_data, curriculum, 1)
+    assert status == 0, err[-3000:]
+    assert "resumed at iteration 10" in (run / "out.log").read_text()
+    assert_same_state(run, whole(), tmp_path)
+    assert [m["train/rollout_steps"] for m in metrics(run)] == [2, 3, 3]  # epochs end at 8, 16, 24
+
+
+def test_fine_tune_from_a_run_killed_then_rerun_resumes_its_own_checkpoint(tiny_data, tmp_path, tmp_path_factory):
+    """--init_from a finished K=1 run, at K=2: SIGKILLed, the same command resumes the fine-tune's checkpoint (not
+    the source's weights again) and ends bitwise equal to the uninterrupted fine-tune."""
+    source = reference_run(tmp_path_factory, tiny_data, [], 1)()
+    fine_tune = ["--init_from", str(source), "--train_rollout_steps", "2", "--lr", "5e-4"]
+    whole = reference_run(tmp_path_factory, tiny_data, fine_tune, 1)
+    cut = tmp_path / "cut"
+    run_job(cut, tiny_data, fine_tune, 1, signal_at=13)
+    (status, _, err), = run_job(cut, tiny_data, fine_tune, 1)
+    assert status == 0, err[-3000:]
+    log = (run_path(cut, 1) / "out.log").read_text()
+    assert log.count(f"weights from {source}") == 1 and "resumed at iteration 10" in log
+    assert_same_state(run_path(cut, 1), whole(), tmp_path)
+    assert run_record(run_path(cut, 1))["config"]["init_from"] == str(source)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "config" / "ViT.yaml"
 LADDER = [16, 32, 64, 128, 256, 512, 1024, 2048]
 NAMES = (["base", "short", "short_opt", "opt"] + [f"bs{n}_opt" for n in LADDER]
-         + ["mp", "vit_2b", "tiny", "era5_sample"])
+         + ["mp", "vit_2b", "tiny", "tiny_curriculum", "era5_sample"])
 
 
 def load_cfg(name="base", **overrides) -> Config:
@@ -551,7 +551,7 @@ def test_cli_actions_return_none_after_printing(capsys):
     assert capsys.readouterr().out.startswith("--lr FLOAT")
     assert cli_config(["--list-configs"], "tiny") is None
     listing = capsys.readouterr().out.splitlines()
-    assert len(listing) == 16 and listing[0].startswith("base ") and all(len(line) <= 80 for line in listing)
+    assert len(listing) == len(NAMES) and listing[0].startswith("base ") and all(len(line) <= 80 for line in listing)
     assert cli_config(["--config", "tiny", "--lr", "3e-3", "--print-config"], "tiny") is None
     printed = YAML(typ="safe", pure=True).load(capsys.readouterr().out)
     assert printed["tiny"]["lr"] == 3e-3 and printed["tiny"]["depth"] == 2

@@ -148,3 +148,14 @@ def test_submit_line_launches_the_planned_world():
         "sbatch -N 1 --ntasks-per-node 2 --gpus-per-node 2 submit_pm.sh --config tiny"
     assert submit_line(6, []).startswith("(no submit_pm.sh line: 6 GPUs")
 
+
+
+def test_the_plan_measures_k_rollout_steps_and_per_step_checkpointing():
+    """The dry run steps the run's largest K: activations grow with K, and per-step checkpointing brings K = 4
+    back to near one step's."""
+    def activations(*args):
+        cfg = config("--fsdp", "zero3", "--simulate_world_size", "2", *args)
+        return dry_run(cfg, LaunchEnv())[0].parts["activations"]
+    one, four = activations(), activations("--train_rollout_steps", "4")
+    checkpointed = activations("--train_rollout_steps", "4", "--rollout_checkpointing", "true")
+    assert four > 3 * one and checkpointed < 1.5 * one, (one, four, checkpointed)

@@ -152,10 +152,21 @@ def evaluate(args, cfg, world) -> None:
     if world.is_main:
         units = dict(zip(names, read_channel_units(dataset.files[0].path, len(names))))
         run = "/".join(args.run_dir.resolve().parts[-3:])
+        trained = training_rollout(cfg)
         write_scorecard(card, out, key_channels, {"checkpoint_step": step, "data_path": data.data_path,
-                                                  "split": args.split, "init_every": args.init_every}, units, run, step)
+                                                  "split": args.split, "init_every": args.init_every,
+                                                  "training_rollout": trained}, units, run, step)
+        print(f"model: {run} at step {step}, trained with {trained}", flush=True)
         print(format_scorecard(card, key_channels), flush=True)
         print(f"wrote {out / 'scorecard.json'}, scorecard.nc, scorecard.png and spectra.png", flush=True)
+
+
+def training_rollout(cfg) -> str:
+    """How the run was trained, for comparing runs by it: ``K 1``, ``K 4`` or the curriculum ``K 1 -> 4`` (rollout
+    training), and ``from <run>`` for a fine-tune (``--init_from``)."""
+    o = cfg.optim
+    k = f"K {o.train_rollout_steps}" + (f" -> {o.rollout_max_steps}" if o.rollout_max_steps else "")
+    return f"rollout {k}" + (f", fine-tuned from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "")
 
 
 def default_batch(optim, dp: int) -> int:

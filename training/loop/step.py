@@ -27,6 +27,7 @@ from utils.core.errors import UserError
 from training.evaluation.metrics import relative_l2_loss
 from training.monitor.memory import GIB, host_memory_available
 from training.monitor.profiling import nvtx_range
+from training.loop.rollout import max_rollout_steps, rollout_loss, step_weights
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class TrainingStep:
     max_grad_norm: float
     after_step: Callable[[], None] | None = None
     grad_factor: float = 1.0  # the loss's gradient is multiplied by it (context parallelism: cp)
+    rollout_weights: tuple[float, ...] = (1.0,)  # loss weight of each rollout step, up to the run's largest K
+    rollout_steps: int = 1  # K of the next steps (the trainer sets it from the curriculum)
+    rollout_recompute: bool = False  # activation checkpointing per rollout step
 
     def autocast(self) -> ContextManager:
         """Autocast to ``amp_dtype`` on this device, or nothing without AMP."""
@@ -106,8 +110,9 @@ class TrainingStep:
 
     def __call__(self, batches: Iterator[tuple], phase: Callable[[str], ContextManager] = _no_phase
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run one step on the next ``accum`` batches ``(input (B, C, H, W), targets (B, 1, C, H, W), sample
-        indices (B,))`` of ``batches``; ``phase(name)`` wraps the forward, backward and optimizer step
+        """Run one step on the next ``accum`` batches ``(input (B, C, H, W), targets (B, k, C, H, W), sample
+        indices (B,))`` of ``batches``, ``k >= rollout_steps`` (the loss: ``training/loop/rollout.py``);
+        ``phase(name)`` wraps the forward, backward and optimizer step
         (the trainer's OOM handler names the phase that ran out of memory).
 
         Returns:
@@ -121,8 +126,8 @@ class TrainingStep:
             indices.append(idx)
             with gradient_sync(self.model, micro == self.accum - 1):
                 with nvtx_range("forward"), phase("forward"), self.autocast():
-                    # training samples have one target (k = 1): tar[:, 0] is the next state, contiguous
-                    loss = self.loss_fn(self.model(inp), tar[:, 0]) / self.accum
+                    loss = rollout_loss(self.model, self.loss_fn, inp, tar, self.rollout_weights[:self.rollout_steps],
+                                        self.rollout_recompute) / self.accum
                 with nvtx_range("backward"), phase("backward"):
                     self.scaler.scale(loss * self.grad_factor if self.grad_factor != 1 else loss).backward()
             loss_total += loss.detach()
@@ -181,21 +186,31 @@ def check_host_memory(cfg: Config, world: World) -> None:
                         "fewer ranks per node")
 
 
-def build_training_step(cfg: Config, world: World) -> TrainingStep:
+def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor] | None = None) -> TrainingStep:
     """The parallel model (``distributed/parallelize.py``: float8, DDP, FSDP, TP/CP, AC, compile), Adam (fused
     on CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
     only: bf16, bf16_pure and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on
     ``world``. With fp8 on a GPU, rank 0 logs once where fp8 pays on it (a warning below that width).
 
-    Weights are seeded with ``optim.seed``, so every rank starts from the same ones.
+    Weights are seeded with ``optim.seed``, so every rank starts from the same ones; ``init`` (``--init_from``'s
+    plain ``state_dict``), when given, replaces them before the model is parallelized.
     """
     torch.manual_seed(cfg.optim.seed)
     opt, prec = cfg.optim, cfg.precision
     if prec.amp_mode == "fp8" and world.device.type == "cuda" and world.is_main:
         log_fp8_advice(torch.cuda.get_device_name(world.device), cfg.model.embed_dim)
-    model = build_parallel_model(partial(build_model, cfg.model, cfg.data), cfg.parallel, prec, world,
+    model = build_parallel_model(partial(_initialized_model, cfg, init), cfg.parallel, prec, world,
                                  opt.grad_accum_steps)
     return training_step(cfg, world, model)
+
+
+def _initialized_model(cfg: Config, init: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+    """The plain model, with the weights ``init`` when given (not on the meta device, where FSDP builds the shapes
+    only and takes rank 0's weights)."""
+    model = build_model(cfg.model, cfg.data)
+    if init is not None and not next(model.parameters()).is_meta:
+        model.load_state_dict(init)
+    return model
 
 
 def training_step(cfg: Config, world: World, model: torch.nn.Module) -> TrainingStep:
@@ -208,7 +223,9 @@ def training_step(cfg: Config, world: World, model: torch.nn.Module) -> Training
     # Eager, the loss and its backward are ~10 passes over full-resolution fields (~4 % of an H100
     # step at short_opt); compiled, they fuse into a few kernels.
     loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
+    # K starts at the run's largest, so what measures a step (the tuner, the planner) measures the largest
     return TrainingStep(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt)),
                         torch.amp.GradScaler(world.device.type, enabled=prec.amp_mode == "fp16"), loss_fn,
                         AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
-                        float8_step_hook(model, prec, world.uses_fsdp), gradient_factor(world))
+                        float8_step_hook(model, prec, world.uses_fsdp), gradient_factor(world),
+                        step_weights(opt), max_rollout_steps(opt), prec.rollout_checkpointing)

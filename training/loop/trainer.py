@@ -25,6 +25,7 @@ import logging
 import math
 import platform
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +36,7 @@ from distributed.checkpoint.folder import resolve_checkpoint
 from distributed.checkpoint.manager import CheckpointManager
 from distributed.checkpoint.staging import register_pinned_memory
 from distributed.checkpoint.storage import check_model_shapes
-from networks.model_file import package_meta
+from networks.model_file import package_meta, read_init_weights
 from utils.precision.amp import AMP_DTYPES
 from distributed.simulate import is_simulated, notice
 from distributed.world import World, all_reduce, main_decides
@@ -56,6 +57,7 @@ from training.monitor.memory_profile import MemoryProfiler
 from training.monitor.oom import OutOfMemoryHandler
 from training.monitor.profiling import ProfilerWindow, nvtx_range
 from training.monitor.reporter import Reporter, read_run_record, tensorboard_tag
+from training.loop.rollout import max_rollout_steps, rollout_steps_at
 from training.loop.run_dir import RunDir, open_run_dir, run_record
 from training.loop.state import TrainState
 from training.loop.step import (build_training_step, check_host_memory, count_parameters, plain_shapes,
@@ -91,7 +93,8 @@ class Trainer:
         self.accum = cfg.optim.grad_accum_steps
         self.data = build_data(cfg.data, self.local_bs, world.dp_rank, world.dp, self.device, cfg.optim.seed,
                                valid_target_steps=cfg.evaluation.valid_rollout_steps,
-                               valid_init_every=cfg.evaluation.valid_init_every)
+                               valid_init_every=cfg.evaluation.valid_init_every,
+                               train_target_steps=max_rollout_steps(cfg.optim))
         self.evaluator = Evaluator(cfg.evaluation, self.data, world,
                                    lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps))
         self._check_crop(cfg)
@@ -115,7 +118,7 @@ class Trainer:
         self._log_world()
         # first, so the allocator history an OOM snapshot holds covers the model's construction
         self.oom = OutOfMemoryHandler(cfg.memory, self.run_dir / "memory", world.rank, self.device, self.local_bs)
-        self._build_model()
+        self._build_model(None if run.resume else cfg.checkpoint.init_from)
         self.state = TrainState(data_parallel=world.dp, total_steps=cfg.optim.num_iters)
         self.read_back: tuple[int, float] | None = None  # (iteration, loss) of the newest step read back
         self.data_wait = 0.0  # host seconds of this epoch spent waiting for the loader
@@ -139,7 +142,11 @@ class Trainer:
 
     @staticmethod
     def _check_resume_source(cfg: Config, world: World) -> None:
-        """``--resume PATH``: a complete checkpoint of this model (read by rank 0, its verdict on every rank)."""
+        """``--resume PATH``: a complete checkpoint of this model; ``--init_from``: a model file of this model
+        (read by rank 0, its verdict on every rank)."""
+        if cfg.checkpoint.init_from is not None:
+            main_decides(lambda: read_init_weights(Path(cfg.checkpoint.init_from), plain_shapes(cfg)) and None, world,
+                         (UserError,))
         if cfg.checkpoint.resume in ("auto", "never"):
             return
         main_decides(lambda: check_model_shapes(resolve_checkpoint(Path(cfg.checkpoint.resume)), plain_shapes(cfg)),
@@ -161,12 +168,18 @@ class Trainer:
                             f"{self.accum}; lower it or use more samples")
         return steps
 
-    def _build_model(self) -> None:
+    def _build_model(self, init_from: str | None) -> None:
+        """The model, optimizer and step; a new run with ``--init_from`` starts from that run's weights (a
+        continued one from its own checkpoint: the same fine-tune command resumes the fine-tune)."""
         m = self.cfg.model
         log.info("model: %s embed %d depth %d heads %d patch %d, %.2fM parameters", m.nettype, m.embed_dim, m.depth,
                  m.num_heads, m.patch_size, count_parameters(self.cfg) / 1e6)
+        init = None
+        if init_from is not None:
+            init = read_init_weights(Path(init_from), plain_shapes(self.cfg))
+            log.info("weights from %s (a fine-tune: optimizer, schedule and step start afresh)", init_from)
         try:
-            self.step_fn = build_training_step(self.cfg, self.world)
+            self.step_fn = build_training_step(self.cfg, self.world, init)
         except RuntimeError as exc:  # the host ran out while building (other processes took memory meanwhile)
             if "DefaultCPUAllocator" not in str(exc):
                 raise
@@ -190,7 +203,8 @@ class Trainer:
                                  run_record(cfg.name, recorded.flat(), {**self._world_info(), "data": self._data_info()}),
                                  to_yaml(recorded, exclude=("run_num",)),
                                  self._metric_tags(), math.ceil(cfg.optim.num_iters / self.steps_per_epoch),
-                                 self.last_loss)
+                                 self.last_loss, partial(rollout_steps_at, cfg.optim)
+                                 if max_rollout_steps(cfg.optim) > 1 else None)
         self.checkpoint = CheckpointManager(cfg.checkpoint, self.run_dir / "checkpoints", self.model, self.optimizer,
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, world, settle=self.settle,
@@ -274,9 +288,9 @@ class Trainer:
         """Run optimizer steps from ``state.step`` to ``num_iters``; returns the last epoch's record."""
         state = self.state
         n_epochs = math.ceil(state.total_steps / self.steps_per_epoch)
-        log.info("training %d iterations: %d epoch%s of %d steps (%d samples/epoch); run directory %s",
+        log.info("training %d iterations: %d epoch%s of %d steps (%d samples/epoch%s); run directory %s",
                  state.total_steps, n_epochs, "" if n_epochs == 1 else "s", self.steps_per_epoch,
-                 self.steps_per_epoch * self.global_bs, self.run_dir)
+                 self.steps_per_epoch * self.global_bs, self._rollout_note(), self.run_dir)
         self._stop_if_signalled(f"before iteration {self.state.step + 1}")
         record: dict = {}
         while not state.done:
@@ -285,6 +299,24 @@ class Trainer:
             for component in self.components:
                 component.epoch_end(state, record)
         return record
+
+    def _rollout_note(self) -> str:
+        """Rollout training: K (or the curriculum) and how many initial times of the training split K leaves (the
+        last ``(K - 1) * dt`` of each run of files have too few targets)."""
+        opt, ds = self.cfg.optim, self.data.train_dataset
+        k = max_rollout_steps(opt)
+        if k == 1:
+            return ""
+        steps = (f"rollout K {opt.train_rollout_steps} -> {k}, +1 every {opt.rollout_raise_every} "
+                 f"{opt.rollout_raise_unit}" if opt.rollout_max_steps else f"rollout K {k}")
+        if ds is None:
+            return f"; {steps}"
+        have = int(ds.offsets[-1])  # before --limit_nsamples
+        return f"; {steps}: {have} of {have + (k - 1) * ds.dt * len(ds.runs)} initial times have {k} targets"
+
+    def rollout_steps(self) -> int:
+        """K of the next optimizer step (the curriculum's, a function of the step and epoch: a resume continues it)."""
+        return rollout_steps_at(self.cfg.optim, self.state.step, self.state.epoch)
 
     def _stop_if_signalled(self, when: str) -> None:
         """A signal during start-up (every rank agrees): stop (before the run directory, or before the first step);
@@ -339,9 +371,12 @@ class Trainer:
         samples_per_s = steps * self.global_bs / elapsed if steps else math.nan
         record = {"epoch": epoch, "iteration": state.step, "epoch_time_s": elapsed, "samples_per_s": samples_per_s,
                   "data_wait_share": self.data_wait / elapsed, "lr": self.optimizer.param_groups[0]["lr"],
-                  "loss/train": state.epoch_loss_mean / max(1, state.epoch_step)}
+                  "loss/train": state.epoch_loss_mean / max(1, state.epoch_step),
+                  "train/rollout_steps": self.step_fn.rollout_steps}
         if self.peak_flops:
-            record["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_flops * self.world.world_size)
+            # a sample is K model applications (the K of the epoch's last step)
+            record["mfu"] = (samples_per_s * self.flops_per_sample * self.step_fn.rollout_steps
+                             / (self.peak_flops * self.world.world_size))
         state.epoch, state.epoch_step, state.epoch_loss_sum, state.epoch_loss_mean = epoch + 1, 0, 0.0, 0.0
         self.loss_sum = torch.zeros((), device=self.device)
         return record
@@ -365,6 +400,7 @@ class Trainer:
 
     def train_step(self, batches) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches. Returns tensors for the late check."""
+        self.step_fn.rollout_steps = self.rollout_steps()
         loss, indices = self.step_fn(self._timed(batches), self.oom.phase)
         return {"loss": loss, "indices": indices, "step": self.state.step, **self._queue_readback(loss)}
 

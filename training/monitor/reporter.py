@@ -119,14 +119,17 @@ class Reporter(Component):
         n_epochs: epochs of the whole run (the epoch line's ``epoch 3/40``).
         last_loss: ``(iteration, loss)`` of the newest step whose loss was read back (one step late: the
             progress line never waits for the GPU), or None.
+        rollout_steps: rollout training: ``(step, epoch) -> K`` of that optimizer step (0-based), shown on the
+            progress line; None: one-step training.
     """
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path | None, key_channels: list[str], record: dict[str, Any],
                  config_yaml: str, metric_tags: list[str], n_epochs: int,
-                 last_loss: Callable[[], tuple[int, float] | None]):
+                 last_loss: Callable[[], tuple[int, float] | None],
+                 rollout_steps: Callable[[int, int], int] | None = None):
         self.cfg, self.run_dir, self.key_channels = cfg, run_dir, key_channels
         self.first_record, self.config_yaml, self.metric_tags = record, config_yaml, metric_tags
-        self.n_epochs, self.last_loss = n_epochs, last_loss
+        self.n_epochs, self.last_loss, self.rollout_steps = n_epochs, last_loss, rollout_steps
         self.printed = 0  # the iteration of the last progress line
         self.writer = None
         self.bar = None
@@ -200,7 +203,8 @@ class Reporter(Component):
         iteration, loss = newest
         step = state.epoch_step - (state.step - iteration)  # that iteration's step of this epoch
         if step > 0 and (step % self.cfg.log_every == 0 or step == state.epoch_end):
-            log.info("epoch %d step %d/%d loss %.4f", state.epoch + 1, step, state.epoch_end, loss)
+            k = f" K {self.rollout_steps(iteration - 1, state.epoch)}" if self.rollout_steps else ""
+            log.info("epoch %d step %d/%d loss %.4f%s", state.epoch + 1, step, state.epoch_end, loss, k)
             self.printed = iteration
 
     def epoch_end(self, state, record: dict[str, Any]) -> None:
@@ -235,7 +239,8 @@ class Reporter(Component):
     def epoch_line(self, r: dict[str, Any], n_epochs: int) -> str:
         line = (f"epoch {r['epoch'] + 1}/{n_epochs} | {r['epoch_time_s']:.2f} s | {r['samples_per_s']:.1f} samples/s"
                 + (f" | MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
-                + f" | data wait {100 * r['data_wait_share']:.0f}% | train loss {r['loss/train']:.4f}")
+                + f" | data wait {100 * r['data_wait_share']:.0f}% | train loss {r['loss/train']:.4f}"
+                + (f" (K {r['train/rollout_steps']})" if self.rollout_steps else ""))
         if "loss/valid" in r:
             line += f" | valid loss {r['loss/valid']:.4f} | RMSE " + " ".join(
                 f"{k} {r[f'rmse/{k}']:.4g} (persistence {r[f'rmse_persistence/{k}']:.4g})" for k in self.key_channels)

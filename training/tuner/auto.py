@@ -18,6 +18,7 @@ from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
 from utils.core.logs import setup_logging
 from utils.data.loaders import build_data
+from training.loop.rollout import max_rollout_steps
 from training.loop.run_dir import find_run
 from training.loop.trainer import ExtraComponents
 from training.tuner.tune import (AUTO_OBJECTIVE, TUNE_FILE, TUNER_ONLY, TuneResult, journal_path, out_path,
@@ -64,7 +65,8 @@ def resolve_local_batch(cfg: Config, world: World) -> tuple[Config, ExtraCompone
         log.info("local batch auto: %d, as tuned when this run started", prior[0])
         return with_batch(cfg, *prior), None
     # the data is checked before minutes of tuning (the trials use synthetic batches by default)
-    build_data(cfg.data, 1, world.dp_rank, world.dp, world.device, cfg.optim.seed).close()
+    build_data(cfg.data, 1, world.dp_rank, world.dp, world.device, cfg.optim.seed,
+               train_target_steps=max_rollout_steps(cfg.optim)).close()
     tuned = tune(cfg, world, [], journal_path(out_path(cfg)), quick=True)
     choice = tuned.choices[AUTO_OBJECTIVE]
     resolved = with_batch(cfg, choice.local_batch_size, tuned.lr(AUTO_OBJECTIVE))

@@ -18,6 +18,7 @@ from utils.config.schema import Config
 from utils.config.types import AUTO
 from utils.config.validate import batch_sizes, validate
 from utils.core.errors import UserError
+from training.loop.rollout import max_rollout_steps
 from training.loop.step import training_step
 from training.tuner.rank_plan import RankPlan, in_simulated_world, meta_model, planned_ranks, tracked_plan, with_rank
 
@@ -64,7 +65,8 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
             model = parallelize_model(model, cfg.parallel, cfg.precision, replace(world, dp=1))
         step = training_step(cfg, world, model)
         c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
-        batch = (torch.randn(local, c, h, w), torch.randn(local, 1, c, h, w), torch.arange(local))
+        k = max_rollout_steps(cfg.optim)  # the step runs the run's largest K (training/loop/step.py)
+        batch = (torch.randn(local, c, h, w), torch.randn(local, k, c, h, w), torch.arange(local))
         plan = tracked_plan(cfg, world, step, itertools.repeat(batch), local, global_batch)
     plan.notes.append("estimated: fake tensors (exact shapes and dtypes; no allocator rounding, cache or "
                       "fragmentation; CPU autocast; eager); nothing searched: run the planner on a GPU for the "

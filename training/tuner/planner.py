@@ -45,6 +45,7 @@ from utils.config.validate import validate
 from utils.core.files import write_json_atomic
 from utils.data.loaders import build_data
 from training.monitor.memory import GIB
+from training.loop.rollout import max_rollout_steps
 from training.loop.step import build_training_step
 from training.tuner.report import device_peak, governing, plan_table, submit_line
 from training.tuner.search import Trial, choice_args
@@ -66,7 +67,8 @@ def measured_plan(cfg: Config, world: World, result: TuneResult, objective: str)
     cfg = trial_config(cfg, pick.local_batch_size)
     cfg.precision.enable_jit = False
     release(world.device)
-    data = build_data(cfg.data, pick.local_batch_size, world.dp_rank, world.dp, world.device, cfg.optim.seed)
+    data = build_data(cfg.data, pick.local_batch_size, world.dp_rank, world.dp, world.device, cfg.optim.seed,
+                      train_target_steps=max_rollout_steps(cfg.optim))
     try:
         step = build_training_step(cfg, world)
         plan = tracked_plan(cfg, world, step, endless(data.train), pick.local_batch_size, pick.global_batch_size)

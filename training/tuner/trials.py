@@ -41,6 +41,7 @@ from utils.data.loaders import build_data
 from training.monitor.flops import peak_flops, vit_flops_per_sample
 from training.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
 from utils.precision.amp import AMP_DTYPES
+from training.loop.rollout import max_rollout_steps
 from training.loop.step import build_training_step, set_attention_backend
 from training.tuner.search import Trial
 
@@ -119,7 +120,8 @@ class BatchTrials:
         self.cfg, self.world, self.journal = cfg, world, journal
         self.warmup, self.steps = warmup, steps
         self.budget = None if cfg.tune.memory_budget_gib is None else cfg.tune.memory_budget_gib * GIB
-        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
+        # a sample is K model applications at the run's largest K, which the trials step
+        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data) * max_rollout_steps(cfg.optim)
         self.peak_flops = peak_flops(world.device, cfg.precision.amp_mode)
         prec, m = cfg.precision, cfg.model
         set_attention_backend(prec.attention_backend, world.device, m.embed_dim // m.num_heads,
@@ -169,7 +171,7 @@ class BatchTrials:
         """Warm up, then time ``steps`` steps (seconds); counters restart after the warm-up."""
         world = self.world
         data = build_data(cfg.data, cfg.optim.local_batch_size, world.dp_rank, world.dp, world.device,
-                          cfg.optim.seed)
+                          cfg.optim.seed, train_target_steps=max_rollout_steps(cfg.optim))
         try:
             step = build_training_step(cfg, world)
             batches = endless(data.train)

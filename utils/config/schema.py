@@ -91,6 +91,18 @@ class OptimConfig:
     warmup: int = key(0, "linear warmup steps", NON_NEGATIVE)
     max_grad_norm: float = key(0.0, "clip the global gradient norm to this (0: off)", NON_NEGATIVE)
     seed: int = key(0, "seed of weights, sample order and synthetic data", SEED_RANGE)
+    train_rollout_steps: int = key(1, "rollout training: the model is applied K times, each step fed its previous "
+                                      "forecast, and the loss is the weighted mean over the K steps (1: one-step "
+                                      "training); with rollout_max_steps, the curriculum's first K", AT_LEAST_1)
+    rollout_max_steps: int = key(0, "rollout curriculum: raise K by 1 every rollout_raise_every iterations or epochs "
+                                    "up to this K (0: no curriculum, K stays train_rollout_steps)", NON_NEGATIVE)
+    rollout_raise_every: int = key(1000, "rollout curriculum: iterations or epochs (rollout_raise_unit) between raises "
+                                         "of K", AT_LEAST_1)
+    rollout_raise_unit: Literal["iterations", "epochs"] = key("iterations", "rollout curriculum: the unit of "
+                                                                            "rollout_raise_every")
+    rollout_step_weights: tuple[float, ...] = key((), "rollout: weight of each step's loss, one per step up to the "
+                                                      "largest K (at K steps the first K, normalized; []: uniform)",
+                                                  NON_NEGATIVE)
 
 
 @dataclass
@@ -119,6 +131,9 @@ class PrecisionConfig:
         "none", "recompute activations in backward: every block, or selected ones")
     ac_every: int = key(2, "selective: checkpoint every k-th block (0: op-level policy)", NON_NEGATIVE)
     ac_blocks: int = key(0, "selective: checkpoint the first n blocks instead (0: use ac_every)", NON_NEGATIVE)
+    rollout_checkpointing: bool = key(False, "rollout training: recompute each model application but the last in "
+                                             "backward (on top of the block-level options), so K steps hold about one "
+                                             "step's activations")
 
 
 @dataclass
@@ -163,6 +178,9 @@ class CheckpointConfig:
     checkpoint_checksums: bool = key(True, "checksum every checkpoint file as it is written and verify before loading")
     resume: str = key("auto", "auto: continue this run from its latest complete checkpoint; never; or a "
                               "checkpoint folder to start from")
+    init_from: Optional[str] = key(None, "start a new run from the weights (not optimizer or step) of a finished run's "
+                                         "directory or its checkpoints/model.pt: a fine-tune; the same command later "
+                                         "resumes the fine-tune's own checkpoints (null: fresh weights)")
 
 
 @dataclass

@@ -33,7 +33,8 @@ def validate(cfg: Config, launch: Launch) -> None:
         UserError: the first problem found, naming the keys involved and a fix.
     """
     launch = simulated_launch(cfg, launch)
-    for check in (_check_model, _check_batches, _check_precision, _check_parallel, _check_checkpoint, _check_paths):
+    for check in (_check_model, _check_batches, _check_rollout, _check_precision, _check_parallel, _check_checkpoint,
+                  _check_paths):
         check(cfg, launch)
 
 
@@ -148,6 +149,30 @@ def _check_batches(cfg: Config, launch: Launch) -> None:
                         "(or zero2, hsdp) or tune ac_blocks")
 
 
+def _check_rollout(cfg: Config, launch: Launch) -> None:
+    """Rollout training: a curriculum that only goes up, one loss weight per step, and no key without effect."""
+    o = cfg.optim
+    start, top = o.train_rollout_steps, o.rollout_max_steps
+    if top and top < start:
+        raise UserError(f"--rollout_max_steps {top} is below --train_rollout_steps {start}: a rollout curriculum only "
+                        f"raises K; pass --rollout_max_steps {start} or more (0: no curriculum)")
+    for name in ("rollout_raise_every", "rollout_raise_unit"):
+        if not top and getattr(o, name) != KEYS[name].default:
+            raise UserError(f"--{name} has no effect without a rollout curriculum; add --rollout_max_steps K or drop "
+                            f"--{name}")
+    k = max(start, top)
+    weights = o.rollout_step_weights
+    if weights and len(weights) != k:
+        raise UserError(f"--rollout_step_weights has {len(weights)} weight(s) but the run trains up to {k} rollout "
+                        f"steps; give {k} (one per step) or [] for uniform weights")
+    if weights and sum(weights[:start]) <= 0:  # weights are >= 0: later K only add to the sum
+        raise UserError(f"--rollout_step_weights {list(weights)}: the first {start} weights sum to 0, so the loss "
+                        "would be 0/0; give the first step a positive weight")
+    if cfg.precision.rollout_checkpointing and k == 1:
+        raise UserError("--rollout_checkpointing has no effect with one rollout step; add --train_rollout_steps K > 1 "
+                        "(or --rollout_max_steps) or drop --rollout_checkpointing")
+
+
 def _check_precision(cfg: Config, launch: Launch) -> None:
     p = cfg.precision
     backend = p.attention_backend
@@ -235,6 +260,12 @@ def _check_checkpoint(cfg: Config, launch: Launch) -> None:
     if c.resume not in ("auto", "never") and not Path(c.resume).is_dir():
         raise UserError(f"--resume {c.resume}: no such checkpoint folder; pass auto, never, or a folder such as "
                         "runs/<config>/<N>GPU/<run>/checkpoints")
+    if c.init_from is not None:
+        if c.resume not in ("auto", "never"):
+            raise UserError(f"--init_from and --resume {c.resume} both say where a new run starts; pass one of them")
+        if not Path(c.init_from).exists():
+            raise UserError(f"--init_from {c.init_from}: no such run directory or file; pass a finished run's "
+                            "directory (runs/<config>/<N>GPU/<run>) or its checkpoints/model.pt")
 
 
 def _check_paths(cfg: Config, launch: Launch) -> None:

@@ -98,6 +98,8 @@ class ERA5Dataset(Dataset):
     ``(k, C, H, W)`` (``tar[j - 1]`` is the state ``j*dt`` after the input), both in physical
     units (not normalized), ``index`` the global sample index (for error messages).
 
+    ``steps_flag``, when given, is the option that set ``target_steps``: the error for runs too short names it.
+
     Raises:
         ValueError: ``target_steps`` or ``init_every`` below 1.
         UserError: missing directory or files, a file without ``fields``, wrong rank, dtype
@@ -106,7 +108,8 @@ class ERA5Dataset(Dataset):
     """
 
     def __init__(self, directory: str | Path, n_channels: int, img_size: tuple[int, int], dt: int,
-                 limit_nsamples: int | None = None, *, target_steps: int = 1, init_every: int = 1):
+                 limit_nsamples: int | None = None, *, target_steps: int = 1, init_every: int = 1,
+                 steps_flag: str | None = None):
         if target_steps < 1 or init_every < 1:
             raise ValueError(f"target_steps and init_every must be >= 1, got {target_steps} and {init_every}")
         self.directory = Path(directory)
@@ -114,6 +117,7 @@ class ERA5Dataset(Dataset):
         self.dt = dt
         self.n_channels = n_channels
         self.target_steps, self.init_every = target_steps, init_every
+        self.steps_flag = steps_flag  # the option that set target_steps, named by the too-short error
         self.files = self._inspect(n_channels)
         self.runs = chain_files(self.files)
         self._check_lengths()
@@ -181,6 +185,8 @@ class ERA5Dataset(Dataset):
             raise UserError(f"{what}, too few for dt={dt}; lower --dt{self._gap_hint(short)}")
         fits = (n - 1) // dt
         fix = f"use at most {fits} rollout steps" if fits else "lower --dt"
+        if fits and self.steps_flag:
+            fix += f" (--{self.steps_flag} {fits})"
         raise UserError(f"{what}, too few for {k} rollout steps of dt={dt} ({k * dt + 1} needed); "
                         f"{fix}{self._gap_hint(short)}")
 

@@ -88,30 +88,33 @@ class Data(Component):
 
 
 def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
-               seed: int = 0, *, valid_target_steps: int = 1, valid_init_every: int = 1) -> Data:
+               seed: int = 0, *, valid_target_steps: int = 1, valid_init_every: int = 1,
+               train_target_steps: int = 1) -> Data:
     """Build the train/valid iterables selected by ``cfg.data_loader_config``.
 
     ``batch_size`` is the local (per data-parallel rank) batch size; each data-parallel rank
     sees a disjoint shard of the samples (DistributedSampler, order from ``seed``),
-    tensor/context-parallel peers the same one. Training samples have one target; validation
+    tensor/context-parallel peers the same one. Training samples have ``train_target_steps`` targets (rollout
+    training: initial times whose targets would run past the end of a run of files are not samples); validation
     samples ``valid_target_steps`` (batches' ``tar`` ``(B, k, C, H, W)``), starting at every
     ``valid_init_every``-th time step of each validation file. Raises UserError for
-    bad data or paths (also a validation split too short for ``valid_target_steps``).
+    bad data or paths (also a split too short for its target steps, naming the largest that fits).
     """
     c, img = cfg.n_in_channels, tuple(cfg.img_size)
     if cfg.data_loader_config == "synthetic":
         n_train = cfg.limit_nsamples or 512
         n_valid = (cfg.limit_nsamples_val or 128) // valid_init_every
         steps = max(1, n_train // (batch_size * dp_size))
-        train = SyntheticBatches(steps, batch_size, c, img, device, seed)
+        train = SyntheticBatches(steps, batch_size, c, img, device, seed, target_steps=train_target_steps)
         valid = SyntheticBatches(max(1, math.ceil(n_valid / (batch_size * dp_size))), batch_size, c, img, device,
                                  seed + 1, target_steps=valid_target_steps)
         return Data(train, valid, Stats.identity(c, img, device), [f"c{i}" for i in range(c)],
                     equiangular_latitudes(img[0]), steps * batch_size * dp_size)
     root = Path(cfg.data_path)
-    train_ds = ERA5Dataset(root / "train", c, img, cfg.dt, cfg.limit_nsamples)
+    train_ds = ERA5Dataset(root / "train", c, img, cfg.dt, cfg.limit_nsamples, target_steps=train_target_steps,
+                           steps_flag="train_rollout_steps")
     valid_ds = ERA5Dataset(root / "valid", c, img, cfg.dt, cfg.limit_nsamples_val, target_steps=valid_target_steps,
-                           init_every=valid_init_every)
+                           init_every=valid_init_every, steps_flag="valid_rollout_steps")
     if len(train_ds) < batch_size * dp_size:
         raise UserError(f"{len(train_ds)} training samples are fewer than one global batch "
                         f"({batch_size} x {dp_size} ranks); lower --global_batch_size")
