@@ -18,11 +18,11 @@ functional wrapper                                    forward                   
 ``reduce_scatter_to_sequence_parallel_region(...)``   ``y_r = chunk_r(sum_q x_q)``    ``dx = cat_r(dy_r)``
 ====================================================  ==============================  ===============================
 
-Two fused linears overlap their all-reduce with a GEMM (Megatron-LM's overlap of tensor-parallel
-communication, Narayanan et al. 2021): ``column_parallel_linear`` (``y_r = x W_r^T + b_r`` after
-``copy_to_parallel_region``) all-reduces ``dx`` in backward while ``dW_r``'s GEMM runs, and
-``row_parallel_linear`` (``y = sum_r x_r W_r^T``) all-reduces each chunk of rows while the next chunk's GEMM
-runs. Both launch functional collectives and wait where the code says, so the overlap holds eagerly and in a
+Two fused linears overlap their all-reduce with a GEMM: ``column_parallel_linear`` (``y_r = x W_r^T + b_r``
+after ``copy_to_parallel_region``) all-reduces ``dx`` in backward while ``dW_r``'s GEMM runs (as Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication`` does), and ``row_parallel_linear`` (``y = sum_r x_r W_r^T``)
+all-reduces each chunk of rows while the next chunk's GEMM runs (a collective decomposed to overlap the
+computation it depends on, Wang et al., ASPLOS 2023). Both launch functional collectives and wait where the code says, so the overlap holds eagerly and in a
 compiled graph alike.
 
 ``chunk_r`` and ``cat_r`` use :func:`compute_split_shapes` (``torch.chunk``'s rule, as DTensor's ``Shard``)
