@@ -8,7 +8,12 @@
     local shards, computed from the sharding rule (``training.tuner.planner.analytic_shard_bytes``), and seen by the
     CUDA allocator (which adds FSDP2's padding of every shard to the largest chunk, and its rounding).
 
+(d) real ranks: each layout of ``--layouts`` (DDP, ZeRO-2, ZeRO-3, HSDP, tp 2 at ``mp``) trained for real on
+    ``--gpus`` GPUs (torchrun), then simulated on one GPU as the rank that peaked (``--simulate_world_size``);
+    the per-rank peaks of allocated and reserved memory and the simulated / real ratio.
+
     python benchmarks/plan_validation.py --out $OUT/plan.json
+    python benchmarks/plan_validation.py --parts d --gpus 2 --out benchmarks/results/h100x2_plan_validation.json
     python benchmarks/plan_validation.py --parts a,c --out benchmarks/results/h100_plan_validation.json
 
 About 8 minutes on an H100 (part b is bounded by ``--planner_minutes``). Prints a table per part; the JSON is
@@ -55,6 +60,36 @@ def world_of_one(config: str, expdir: Path) -> list[dict]:
     for row in rows:
         row["equal_to_the_mib"] = same
     return rows
+
+
+# part (d): eager bf16 steps of mp on synthetic batches, local batch 16, 2 epochs of 4 steps
+REAL = ["--config", "mp", "--data_loader_config", "synthetic", "--amp_mode", "bf16", "--enable_fused", "true",
+        "--enable_jit", "false", "--local_batch_size", "16", "--limit_nsamples_val", "32", "--num_iters", "8",
+        "--valid_every", "2", "--log_every", "1000"]
+LAYOUTS = {"ddp": [], "zero2": ["--fsdp", "zero2"], "zero3": ["--fsdp", "zero3"],
+           "hsdp": ["--fsdp", "hsdp", "--hsdp_shard_size", "1"], "tp2": ["--tensor_parallel", "2"]}
+
+
+def real_ranks(layouts: list[str], gpus: int, expdir: Path, rows: list[dict], save) -> None:
+    """Part (d): per layout the real run on ``gpus`` ranks (peaks: maximum over ranks) and the simulated rank
+    that peaked; appends both rows (ratio = simulated / real on the simulated row) and saves after each."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    for name in layouts:
+        dp = gpus // (2 if name == "tp2" else 1)
+        args = REAL + LAYOUTS[name] + ["--limit_nsamples", str(16 * dp * 4)]
+        real = run_variant(f"{name}_real", args, expdir, launcher=launcher)
+        rank = real.get("memory/peak_allocated_rank", 0)
+        sim = run_variant(f"{name}_simulated_rank{rank}", args + ["--simulate_world_size", str(gpus),
+                                                                  "--simulate_rank", str(rank)], expdir)
+        for row in (real, sim):
+            for key in ("peak_allocated", "peak_reserved"):
+                value = row.get(f"memory/{key}")
+                row[f"{key}_mib"] = None if value is None else round(value * 1024)
+        for key in ("peak_allocated", "peak_reserved"):
+            if real.get(f"{key}_mib") and sim.get(f"{key}_mib") is not None:
+                sim[f"{key}_ratio"] = sim[f"{key}_mib"] / real[f"{key}_mib"]
+        rows += [real, sim]
+        save()
 
 
 def planner(minutes: float, out_dir: Path, extra: list[str]) -> dict:
@@ -134,7 +169,9 @@ def shards_in_child(config: str, folder: Path) -> list[dict]:
 
 def main() -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="a,b,c", help="which parts to run: a, b, c")
+    ap.add_argument("--parts", default="a,b,c", help="which parts to run: a, b, c, d")
+    ap.add_argument("--gpus", type=int, default=2, help="part (d): ranks of the real runs")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="part (d): comma list of " + ", ".join(LAYOUTS))
     ap.add_argument("--config", default="short", help="part (a)'s config (synthetic batches)")
     ap.add_argument("--shards_config", default="vit_2b", help="part (c)'s config")
     ap.add_argument("--planner_minutes", type=float, default=3.5, help="part (b): the tuner's --max_minutes")
@@ -157,6 +194,14 @@ def main() -> int:
         print(table(rows, [("variant", "variant", "s"), ("peak alloc MiB", "peak_allocated_mib", "d"),
                            ("peak reserved MiB", "peak_reserved_mib", "d"), ("retries", "memory/alloc_retries", "d"),
                            ("equal", "equal_to_the_mib", "")]), flush=True)
+    if "d" in parts:
+        payload["real_ranks"] = rows = []
+        real_ranks(args.layouts.split(","), args.gpus, Path(args.expdir), rows, lambda: save_json(out, payload))
+        print(table(rows, [("variant", "variant", "s"), ("peak alloc MiB", "peak_allocated_mib", "d"),
+                           ("sim/real alloc", "peak_allocated_ratio", ".3f"),
+                           ("peak reserved MiB", "peak_reserved_mib", "d"),
+                           ("sim/real reserved", "peak_reserved_ratio", ".3f"),
+                           ("retries", "memory/alloc_retries", "d")]), flush=True)
     if "c" in parts:  # before (b): it is short, and (b) may meet its time limit
         payload["zero3_shards"] = rows = (zero3_shards(args.shards_config, (2, 4)) if parts == ["c"] else
                                           shards_in_child(args.shards_config, out.parent))

@@ -39,9 +39,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
-from distributed.mappings import (all_gather_uneven, compute_split_shapes, copy_to_parallel_region, gather_from_parallel_region,
-                                  gather_from_sequence_parallel_region, group_rank, group_size,
-                                  reduce_from_parallel_region, scatter_to_parallel_region)
+from distributed.mappings import (all_gather_uneven, column_parallel_linear, compute_split_shapes,
+                                  gather_from_parallel_region, gather_from_sequence_parallel_region, group_rank,
+                                  group_size, row_parallel_linear, scatter_to_parallel_region)
 from distributed.world import local_tensor
 
 
@@ -52,6 +52,12 @@ def parallel_param(dense: torch.Tensor, mesh: DeviceMesh | None, placement: Plac
     if mesh is None:
         return nn.Parameter(dense.clone())
     return nn.Parameter(distribute_tensor(dense, mesh, [placement], src_data_rank=None))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` runs ``x`` in: autocast's where it is on for ``x``'s device, else ``x``'s own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def tp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
@@ -74,12 +80,15 @@ class DistributedMatmul(nn.Module):
     """Tensor-parallel ``y = x W^T + b`` of a dense ``nn.Linear`` ``W`` ``(out_features, in_features)``.
 
     ``parallel="column"``: this rank owns a block of output features ``W_r`` and ``b_r``. The input ``x``
-        ``(..., in)`` is replicated over TP and enters through :func:`copy_to_parallel_region`; the output
+        ``(..., in)`` is replicated over TP (:func:`column_parallel_linear`: backward all-reduce of ``dx``
+        overlapped with ``dW_r``'s GEMM); the output
         ``y_r = x W_r^T + b_r`` is ``(..., out_r)`` (feature-split), or the dense ``(..., out)`` with
         ``gather_output=True``. Backward: ``dW_r = dy_r^T x``, ``db_r = sum dy_r``, ``dx = sum_r dy_r W_r``.
     ``parallel="row"``: this rank owns the matching block of input features; the bias is replicated. The input
         ``x_r`` ``(..., in_r)`` is feature-split (or dense with ``input_is_parallel=False``, then scattered);
-        ``y = sum_r x_r W_r^T + b`` is all-reduced (:func:`reduce_from_parallel_region`), the bias added once.
+        ``y = sum_r x_r W_r^T + b`` is all-reduced (:func:`row_parallel_linear`: in chunks of the batch, each
+        overlapping the next chunk's GEMM), the bias added once.
+    Under autocast, input, weight and bias are cast to autocast's dtype first, so the all-reduces carry it.
 
     ``groups``/``unit_size``: the split dimension is ``(groups, units, unit_size)`` and whole units are split
     (the fused QKV: groups 3, units heads, unit size head_dim); the parameter then has those axes (see the
@@ -140,14 +149,16 @@ class DistributedMatmul(nn.Module):
         return cls(module.weight, module.bias, tp_mesh, cp_group, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = local_tensor(self.weight)
+        # cast as autocast would, before the collectives: the backward all-reduce of dx then runs in bf16 too
+        dtype = compute_dtype(x)
+        x, weight = x.to(dtype), local_tensor(self.weight).to(dtype)
         if self.parallel == "column":
-            bias = None if self.bias is None else local_tensor(self.bias).reshape(-1)
-            y = F.linear(copy_to_parallel_region(x, self.groups.tp), weight.reshape(-1, self.in_features), bias)
+            bias = None if self.bias is None else local_tensor(self.bias).reshape(-1).to(dtype)
+            y = column_parallel_linear(x, weight.reshape(-1, self.in_features), bias, self.groups.tp)
             return gather_from_parallel_region(y, -1, self.out_shapes, self.groups.tp) if self.gather_output else y
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, -1, self.groups.tp)
-        y = reduce_from_parallel_region(F.linear(x, weight.reshape(self.out_features, -1)), self.groups.tp)
+        y = row_parallel_linear(x, weight.reshape(self.out_features, -1), self.groups.tp)
         # the bias in the dtype of y, as F.linear adds it under autocast: an fp32 bias would promote a bf16
         # output (and with it the residual stream of --amp_mode bf16_pure) to fp32
         return y if self.bias is None else y + local_tensor(self.bias).to(y.dtype)

@@ -18,6 +18,13 @@ functional wrapper                                    forward                   
 ``reduce_scatter_to_sequence_parallel_region(...)``   ``y_r = chunk_r(sum_q x_q)``    ``dx = cat_r(dy_r)``
 ====================================================  ==============================  ===============================
 
+Two fused linears overlap their all-reduce with a GEMM: ``column_parallel_linear`` (``y_r = x W_r^T + b_r``
+after ``copy_to_parallel_region``) all-reduces ``dx`` in backward while ``dW_r``'s GEMM runs (as Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication`` does), and ``row_parallel_linear`` (``y = sum_r x_r W_r^T``)
+all-reduces each chunk of rows while the next chunk's GEMM runs (a collective decomposed to overlap the
+computation it depends on, Wang et al., ASPLOS 2023). Both launch functional collectives and wait where the code says, so the overlap holds eagerly and in a
+compiled graph alike.
+
 ``chunk_r`` and ``cat_r`` use :func:`compute_split_shapes` (``torch.chunk``'s rule, as DTensor's ``Shard``)
 unless explicit ``shapes`` are given. The two "gather" mappings differ only in
 their backward: ``gather_from_parallel_region`` assumes the consumer of ``y`` is
@@ -38,6 +45,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 __all__ = [
     "compute_split_shapes",
@@ -49,6 +57,8 @@ __all__ = [
     "gather_from_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "column_parallel_linear",
+    "row_parallel_linear",
     "all_gather_uneven",
     "reduce_scatter_uneven",
     "split_along_dim",
@@ -207,6 +217,16 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return out
 
 
+def _start_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Launch a sum all-reduce of ``x`` and return at once; :func:`_wait` gives the result. The functional op
+    runs on the communicator's stream, so GPU work issued before the wait overlaps with it."""
+    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(x)
+
+
 def _norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim {dim} out of range for a {ndim}-d tensor")
@@ -290,6 +310,42 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return all_gather_uneven(dy.contiguous(), ctx.dim, ctx.shapes, ctx.group), None, None, None
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """Forward ``x W_r^T + b_r`` (no communication); backward all-reduces ``dx`` while ``dW_r`` is computed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group_name):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.group_name = bias is not None, group_name
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = _start_all_reduce(dy @ weight, ctx.group_name)
+        rows = dy.reshape(-1, dy.shape[-1])
+        dw = rows.t() @ x.reshape(-1, x.shape[-1])
+        db = rows.sum(0) if ctx.has_bias else None
+        return _wait(dx), dw, db, None
+
+
+class _RowParallelLinear(torch.autograd.Function):
+    """Forward ``sum_r x_r W_r^T`` chunk by chunk of rows, each chunk's all-reduce overlapping the next chunk's
+    GEMM; backward local (``dx_r = dy W_r``, ``dW_r = dy^T x_r``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group_name, chunks):
+        ctx.save_for_backward(x, weight)
+        parts = [_start_all_reduce(F.linear(part, weight), group_name) for part in x.chunk(chunks, 0)]
+        return torch.cat([_wait(part) for part in parts], 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dy @ weight, dw, None, None
 
 
 # ----------------------------------------------------------------------------- functional API
@@ -386,3 +442,31 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int, shapes
     if group_size(group) == 1:
         return x
     return _ReduceScatterToSequenceParallelRegion.apply(x, _norm_dim(dim, x.dim()), shapes, group)
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``F.linear(copy_to_parallel_region(x, group), weight, bias)`` with the backward all-reduce of ``dx``
+    overlapped with the GEMM of ``dW`` (Megatron-LM's asynchronous input-gradient all-reduce).
+
+    ``x`` ``(..., in)`` replicated over ``group``; ``weight`` ``(out_r, in)`` and ``bias`` ``(out_r,)`` this
+    rank's rows; returns ``(..., out_r)``. All three must share one dtype (cast them first under autocast:
+    the all-reduce then runs in that dtype). Plain ``F.linear`` when ``group`` is ``None`` or has one rank.
+    """
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinear.apply(x, weight, bias, group.group_name)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None,
+                        chunks: int = 4) -> torch.Tensor:
+    """``reduce_from_parallel_region(F.linear(x, weight), group)`` computed in ``chunks`` pieces along dim 0,
+    each piece's all-reduce running while the next piece's GEMM does.
+
+    ``x`` ``(B, ..., in_r)`` this rank's input features, ``weight`` ``(out, in_r)`` of one dtype; returns the
+    summed ``(B, ..., out)`` on every rank (no bias: add it once, after). ``chunks`` is capped by ``B``
+    (``torch.chunk``). Plain ``F.linear`` when ``group`` is ``None`` or has one rank.
+    """
+    if group_size(group) == 1:
+        return F.linear(x, weight)
+    return _RowParallelLinear.apply(x, weight, group.group_name, chunks)

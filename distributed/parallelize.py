@@ -26,6 +26,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -207,6 +208,10 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
                     gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
                     # static_graph trips an internal assert under no_sync (gradient accumulation)
                     static_graph=parallel.ddp_static_graph and grad_accum_steps == 1)
+        if is_simulated(world.env):
+            # the fake process group's all-reduce returns no tensor, which DDP's reducer rejects; the no-op
+            # hook hands back the bucket in place, as NCCL's all-reduce does, so the memory is the real rank's
+            model.register_comm_hook(None, noop_hook)
     return model
 
 

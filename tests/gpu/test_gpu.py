@@ -104,12 +104,25 @@ def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
             enable(True)
 
 
-def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypatch, caplog):
+def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypatch):
     """Non-TTY progress lines print the loss already read back for the finiteness check; the steps with
-    their progress lines run under CUDA sync-debug mode "error", which raises on any host sync (.item())."""
+    their progress lines run under CUDA sync-debug mode "error", which raises on any host sync (.item()).
+    The lines are read from the reporter's own logger, so records of other loggers (torch's DCP writing the
+    final checkpoint, say) neither count nor matter."""
     from distributed.world import init_distributed
     from utils.config.loading import load_config
+    from training.monitor import reporter
     from training.loop.trainer import Trainer
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
     cfg = load_config("config/ViT.yaml", "tiny", {"data_path": str(tiny_data), "expdir": str(tmp_path),
                                                   "data_loader_config": "synthetic", "log_every": "1"})
@@ -120,21 +133,25 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
     pending = trainer.train_step(batches)
     state.step = state.epoch_step = 1
     torch.cuda.synchronize()
+    level = reporter.log.level
+    reporter.log.setLevel(logging.INFO)
+    reporter.log.addHandler(lines)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with caplog.at_level(logging.INFO, logger="training.monitor.reporter"):
-            for _ in range(3):
-                check = trainer.train_step(batches)
-                trainer._check_finite(pending)
-                pending = check
-                state.step += 1
-                state.epoch_step += 1
-                trainer.reporter.step_end(state)
+        for _ in range(3):
+            check = trainer.train_step(batches)
+            trainer._check_finite(pending)
+            pending = check
+            state.step += 1
+            state.epoch_step += 1
+            trainer.reporter.step_end(state)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        reporter.log.removeHandler(lines)
+        reporter.log.setLevel(level)
         trainer.close()
     assert trainer.last_loss()[0] == 3
-    assert [r.getMessage().split(" loss")[0] for r in caplog.records] == [f"epoch 1 step {s}/10" for s in (1, 2, 3)]
+    assert [line.split(" loss")[0] for line in lines.lines] == [f"epoch 1 step {s}/10" for s in (1, 2, 3)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

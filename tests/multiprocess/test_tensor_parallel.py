@@ -258,9 +258,31 @@ def _layers_worker(rank, world):
                 ln.bias.copy_(_rand(6, 4, dtype))
             _check_layer(ln, DistributedLayerNorm(ln, tp), x, tp=tp, cp=cp, tol=tol, tag=f"{t} layernorm")
 
+        _check_autocast(tp, cp, tag)
         _check_placements(tp, tag)
         _check_patch_embed(tp, cp, tag)
         _check_attention_errors(tp, cp, tag)
+
+
+def _check_autocast(tp, cp, tag):
+    """Forward under bf16 autocast, backward outside it (as on a GPU, whose autograd thread runs without
+    autocast): the TP linears cast before their collectives (a bf16 gradient meeting an fp32 weight would
+    fail) and match the dense MLP within bf16 rounding (8 bits: a few 1e-3 relative, plus one rounding of
+    each all-reduced partial sum)."""
+    torch.manual_seed(0)
+    mlp = MLP(6, 9)
+    par = DistributedMLP(mlp, tp, cp)
+    x, g = _rand((4, 7, 6), 8, torch.float32), _rand((4, 7, 6), 9, torch.float32)
+    local = (lambda t: t) if cp is None else (lambda t: _chunk(t, 1, cp))
+    xr, xp = x.clone().requires_grad_(), local(x).clone().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16):
+        yr, y = mlp(xr), par(xp)
+    assert y.dtype == torch.bfloat16, tag
+    (yr.float() * g).sum().backward()
+    (y.float() * local(g)).sum().backward()
+    tol = dict(atol=3e-2, rtol=3e-2)
+    _close(y.float(), local(yr.float()).detach(), tol, f"{tag} autocast mlp output")
+    _close(xp.grad, local(xr.grad), tol, f"{tag} autocast mlp input grad")
 
 
 def _check_placements(tp, tag):

@@ -126,6 +126,18 @@ def test_zero3_world_of_two_holds_the_analytic_shards_on_real_cpu_tensors(simula
     assert counted == expected_zero3_bytes(2, 1)
 
 
+def test_ddp_world_of_two_steps_on_real_cpu_tensors(simulated):
+    """DDP's reducer rejects the fake process group's all-reduce result (None); the simulated rank steps with the
+    full gradients a DDP rank holds."""
+    cfg, world = simulated("--simulate_world_size", "2", "--simulate_rank", "1")
+    step = build_training_step(cfg, world)
+    grads = []
+    step.optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.append(gradient_bytes(opt)))
+    batch = (torch.randn(2, 4, 32, 64), torch.randn(2, 1, 4, 32, 64), torch.arange(2))
+    step(itertools.repeat(batch))
+    assert grads == [tensor_bytes(step.model.parameters())] and world.dp == 2
+
+
 def test_uneven_shards_are_found_and_the_largest_planned_first():
     # tiny's pos_embed (1, 128, 64) is split along its first axis of length 1: only rank 0 holds it
     cfg = config("--fsdp", "zero3", "--simulate_world_size", "4", "--simulate_rank", "all-distinct")
