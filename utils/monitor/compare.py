@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from utils.core.errors import UserError
-from utils.core.files import read_bounded, read_jsonl
+from utils.core.files import read_bounded, read_jsonl, write_atomic
 
 # config keys that differ between any two runs by construction
 IGNORED_KEYS = ("run_num", "expdir", "description")
@@ -385,7 +385,7 @@ def write_plots(runs: list[Run], channels: list[str], out: Path, keys: list[str]
         by_step.legend(fontsize="small")
         path = out / f"{stem}.png"
         try:
-            fig.savefig(path, dpi=100)
+            write_atomic(path, lambda f: fig.savefig(f, dpi=100, format="png"))  # never through a link
         except OSError as exc:
             raise UserError(f"cannot write {path}: {exc}; pass another --out") from None
         finally:
