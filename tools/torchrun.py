@@ -12,7 +12,8 @@ launcher (``torch.distributed.run``'s options and agent) in-process and:
   did waits for them), checkpoints at the next step boundary and exits 75, with no deadline from the launcher;
 * exits 75 when the workers stopped with 75 (every rank agrees on the step, so any 75 means the job was
   preempted), 130 after a second Ctrl-C, else a failed worker's own status; workers print their own ``error:``
-  line, and one killed by a signal (the kernel's OOM killer, say) is named in one line here.
+  line, and one killed by a signal (the kernel's OOM killer, say) is named in one line here, with status 2 (a
+  lost rank, as in ``docs/errors.md``; 1 is for bugs).
 """
 
 from __future__ import annotations

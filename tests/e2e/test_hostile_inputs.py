@@ -66,6 +66,25 @@ def test_a_torn_metrics_line_is_dropped_and_the_run_goes_on(tiny_data, tmp_path,
     assert [r["iteration"] for r in records][:len(epochs)] == [json.loads(e)["iteration"] for e in epochs]
 
 
+def test_a_full_disk_under_out_log_is_one_line_and_a_failure(tiny_data, tmp_path, finished_run):
+    """The continued run's log outgrows the process's file-size limit (what a full disk does to it: the write
+    fails, here with EFBIG): one line naming the log, exit 2 (logging printed 210 lines and the run exited 0)."""
+    import resource
+    log = finished_run / "out.log"
+    with open(log, "a") as f:
+        f.write("#\n" * (1 << 19))  # 1 MiB of log: larger than anything else the run writes
+    limit = log.stat().st_size + 64
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited through exec: a write past the limit fails
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *RUN, "--data_path", str(tiny_data), "--expdir",
+                           str(tmp_path / "runs"), "--run_num", "00", "--num_iters", "30"], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert_one_line_error(proc, [f"writing the run's log {log} failed: File too large", "free space"])
+    assert log.stat().st_size <= limit
+
+
 def test_a_huge_run_record_is_not_read(tiny_data, tmp_path, finished_run):
     with open(finished_run / "run.json", "wb") as f:
         f.truncate(1 << 40)  # sparse: 1 TiB of zeros that read whole would take the host's memory

@@ -299,3 +299,16 @@ def test_combine_without_monotone_tries_every_setting_and_keeps_the_deadline():
     assert len(late) == 2  # the trial that passed the deadline is the last
     with pytest.raises(ValueError):
         combine(fake, WORLD, settings=[], local_batches=[64], monotone=True)
+
+
+def test_journal_drops_a_torn_last_line_and_keeps_the_trials(tmp_path, caplog):
+    """A job killed while appending leaves half a line: the rerun continues from the trials before it."""
+    from training.tuner.trials import Journal
+    path = tmp_path / "tune.journal.jsonl"
+    fingerprint = {"config": "tiny"}
+    done = Trial(4, 4, samples_per_s=10.0, peak_reserved_bytes=1)
+    path.write_text(json.dumps({"fingerprint": fingerprint}) + "\n" + json.dumps({"trial": done.to_dict()}) + "\n"
+                    + '{"running": 8, "glo')
+    journal = Journal(path, fingerprint, WORLD)
+    assert list(journal.trials) == [4] and journal.trials[4].samples_per_s == 10.0
+    assert any("torn last line 3" in r.getMessage() for r in caplog.records)

@@ -176,3 +176,24 @@ def test_metrics_of_a_resumed_run_survive_a_torn_line(tmp_path):
     reporter.run_dir = tmp_path
     reporter._truncate_metrics(8)
     assert path.read_text() == json.dumps({"iteration": 8}) + "\n"
+
+
+@pytest.mark.parametrize("planted_at", ["a.h5.part", "a.h5"])
+def test_dataset_files_never_write_through_a_planted_link(tmp_path, planted_at):
+    """The HDF5 writers create their temporary file exclusively (a planted link is removed, not followed) and
+    never rename over a link."""
+    import numpy as np
+
+    from utils.data import writer
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    (tmp_path / planted_at).symlink_to(outside)
+    lat, lon = np.array([60.0, 0.0, -60.0]), np.arange(4) * 90.0
+    fields = np.zeros((2, 1, 3, 4), np.float32)
+    if planted_at == "a.h5":
+        with pytest.raises(NotOurs, match="a.h5 is a symbolic link"):
+            writer.write_field_file(tmp_path / "a.h5", fields, ["z500"], lat, lon, dt_hours=6)
+    else:
+        writer.write_field_file(tmp_path / "a.h5", fields, ["z500"], lat, lon, dt_hours=6)
+        assert (tmp_path / "a.h5").is_file() and not (tmp_path / "a.h5").is_symlink()
+    assert outside.read_text() == "precious\n"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from utils.core.errors import UserError
+from utils.core.files import check_replaceable, write_atomic, write_text_atomic
 from training.evaluation.plots import skill_figure, spectra_figure
 from training.evaluation.scoring import FORECASTS, METRICS, SPECTRA
 
@@ -46,11 +47,12 @@ def write_scorecard(card, out: Path, channels: list[str], extra: dict, units: di
     payload = {**card.to_json(), **extra}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "scorecard.json").write_text(json.dumps(payload, indent=2) + "\n")
+        write_text_atomic(out / "scorecard.json", json.dumps(payload, indent=2) + "\n")
+        check_replaceable(out / "scorecard.nc")  # netCDF writes by name: never through a link, FIFO or device
         scorecard_dataset(card).to_netcdf(out / "scorecard.nc")
         for name, draw in (("scorecard.png", skill_figure), ("spectra.png", spectra_figure)):
             fig = draw(payload, channels, units, run, step)
-            fig.savefig(out / name, dpi=100)
+            write_atomic(out / name, lambda f: fig.savefig(f, dpi=100, format="png"))
             plt.close(fig)
     except OSError as exc:
         raise UserError(f"cannot write the scorecard to {out} ({exc.strerror or exc}); pass a writable --out") from None
@@ -92,6 +94,7 @@ class ForecastWriter:
         da.lead_time.attrs["units"] = self.lead_unit
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            check_replaceable(path)  # netCDF writes by name: never through a link, FIFO or device
             da.to_netcdf(path)
         except OSError as exc:
             raise UserError(f"cannot write {path} ({exc.strerror or exc}); pass a writable --out") from None

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from utils.core.errors import UserError
-from utils.core.files import read_bounded, read_jsonl
+from utils.core.files import read_bounded, read_jsonl, write_atomic
 
 # config keys that differ between runs by construction, or say how a run was started, not what it trained
 # (``--resume never`` repeats a run; the repeat's table row would otherwise differ from it in ``resume``)
@@ -386,7 +386,7 @@ def write_plots(runs: list[Run], channels: list[str], out: Path, keys: list[str]
         by_step.legend(fontsize="small")
         path = out / f"{stem}.png"
         try:
-            fig.savefig(path, dpi=100)
+            write_atomic(path, lambda f: fig.savefig(f, dpi=100, format="png"))  # never through a link
         except OSError as exc:
             raise UserError(f"cannot write {path}: {exc}; pass another --out") from None
         finally:

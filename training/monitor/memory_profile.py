@@ -44,6 +44,7 @@ from torch import nn
 from distributed.world import World, all_reduce
 from utils.config.schema import MemoryConfig
 from utils.core.component import Component
+from utils.core.files import write_atomic, write_text_atomic
 from training.monitor.activations import ActivationCounter, gradient_bytes, optimized_parameters, optimizer_state_bytes, tensor_bytes
 from training.monitor.memory import peak_rss_bytes, size_unit
 from training.monitor.module_table import STEP_PEAK, ModuleTable, format_table, load_trackers
@@ -214,17 +215,16 @@ class MemoryProfiler(Component):
         records = [{k: r[k] for k in ("epoch", "step", "start", "end", "end_minus_start")} for r in self.steps]
         yaml = YAML()
         yaml.default_flow_style = False
-        with open(self.directory / STATS_FILE, "w") as f:
-            yaml.dump(records, f)
+        write_atomic(self.directory / STATS_FILE, lambda f: yaml.dump(records, f))
 
     def _finish(self) -> None:
         self.done = True
         self._stop_history()
         rows = self.table.rows(self.cfg.memory_profile_depth)
-        (self.directory / TABLE_FILE).write_text(format_table(rows))
-        (self.directory / TABLE_JSON_FILE).write_text(json.dumps(rows, indent=1))
+        write_text_atomic(self.directory / TABLE_FILE, format_table(rows))
+        write_text_atomic(self.directory / TABLE_JSON_FILE, json.dumps(rows, indent=1))
         summary = self._summary(max((r["peak_bytes"] for r in rows if r["module"] == STEP_PEAK), default=0))
-        (self.directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        write_text_atomic(self.directory / SUMMARY_FILE, json.dumps(summary, indent=1))
         self._log_summary(summary, rows)
 
     def _summary(self, tracker_peak: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from utils.core.files import write_atomic, write_text_atomic
 from training.monitor.memory import GIB
 from training.tuner.search import OBJECTIVES, Trial, fmt
 
@@ -61,8 +62,8 @@ def save_json(path: str | Path, trials: list[Trial], choices: dict[str, Trial],
     path.parent.mkdir(parents=True, exist_ok=True)
     chosen = {name: {**choices[name].to_dict(), "args": args[name]} if name in choices else None
               for name in OBJECTIVES}
-    path.write_text(json.dumps({**(extra or {}), "trials": [t.to_dict() for t in trials], "choice": chosen},
-                               indent=2))
+    write_text_atomic(path, json.dumps({**(extra or {}), "trials": [t.to_dict() for t in trials],
+                                        "choice": chosen}, indent=2))
 
 
 def plot(path: str | Path, trials: list[Trial], choices: dict[str, Trial] | None = None,
@@ -101,7 +102,7 @@ def plot(path: str | Path, trials: list[Trial], choices: dict[str, Trial] | None
     handles = rate.get_legend_handles_labels()
     more = memory.get_legend_handles_labels()
     rate.legend(handles[0] + more[0], handles[1] + more[1], loc="lower right", fontsize="small")
-    fig.savefig(path, dpi=100)
+    write_atomic(Path(path), lambda f: fig.savefig(f, dpi=100, format="png"))  # never through a link
     return fig
 
 

@@ -90,8 +90,8 @@ def _refuse(path: Path, what: str) -> NotOurs:
 def open_regular(path: str | Path, flags: int, mode: int = 0o644, follow: bool = False) -> int:
     """``os.open(path, flags)`` of a regular file, never through a symbolic link in its last component
     (``O_NOFOLLOW``; ``follow`` for a file the user names, such as ``--yaml_config``) and never a FIFO, device or
-    directory (opened ``O_NONBLOCK``, so a FIFO does not block,
-    checked with ``fstat``, then made blocking again). Returns the descriptor (``O_CLOEXEC``).
+    directory (opened ``O_NONBLOCK``, so a FIFO does not block, checked with ``fstat``, then made blocking again).
+    Returns the descriptor (``O_CLOEXEC``).
 
     Raises:
         NotOurs: ``path`` is a link or not a regular file (naming what it is).
@@ -161,7 +161,8 @@ def open_append(path: str | Path) -> int:
 
 def check_replaceable(path: Path, overwrite: bool = True) -> None:
     """Check that :func:`write_atomic` may put a file at ``path``: nothing there, or (``overwrite``) a regular
-    file. Called before anything is written, so a refused output leaves nothing behind.
+    file. Called before anything is written, so a refused output leaves nothing behind. Checked by name
+    (``lstat``): it does not race a second writer of the same folder, which the run directory's lock keeps out.
 
     Raises:
         NotOurs: ``path`` is a link, FIFO, device or directory, or exists and ``overwrite`` is False.

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from utils.core.errors import UserError, one_line
+from utils.core.files import check_replaceable
 from utils.data.layout import CLIMATOLOGY, FIELDS, STATS, TRAIN, InputNotFoundError, LayoutError, split_files
 from utils.data.climatology import WINDOW_DAYS, days_in_year, hour_of_day
 from utils.data.metadata import read_metadata, read_time_axis
@@ -159,7 +160,9 @@ def _write(path: Path, fill) -> Path:
     """Run ``fill(h5py.File)`` on ``<path>.part`` and rename it to ``path``; LayoutError when writing fails."""
     tmp = path.with_name(path.name + ".part")
     try:
-        with h5py.File(tmp, "w") as f:
+        check_replaceable(path)  # never over a link, FIFO or device
+        tmp.unlink(missing_ok=True)  # a leftover, or a planted link: the link itself goes, never its target
+        with h5py.File(tmp, "x") as f:
             fill(f)
         os.replace(tmp, path)
     except OSError as exc:

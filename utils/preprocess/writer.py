@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 
 from utils.core.errors import one_line
+from utils.core.files import check_replaceable
 from utils.data.layout import (ATTR_CALENDAR, ATTR_CHANNEL_NAMES, ATTR_CHANNEL_UNITS, ATTR_DT_HOURS, ATTR_START_TIME,
                                ATTR_TIME_STEP, ATTR_TIME_UNIT, FIELDS, LATITUDE, LONGITUDE, PARTIAL_SUFFIX, STATS,
                                STATS_FILES, LayoutError)
@@ -73,7 +74,9 @@ class FieldFileWriter:
         self._written = np.zeros(n_steps, dtype=bool)
         self._tmp = self.path.with_name(self.path.stem + PARTIAL_SUFFIX)
         try:
-            self._file = h5py.File(self._tmp, "w")
+            check_replaceable(self.path)  # never over a link, FIFO or device
+            self._tmp.unlink(missing_ok=True)  # a leftover, or a planted link: the link itself goes
+            self._file = h5py.File(self._tmp, "x")
         except OSError as exc:
             raise LayoutError(f"cannot create {self._tmp} ({one_line(exc)}); pass a writable --out") from None
         try:
