@@ -35,8 +35,9 @@ def run_parent(logging_cfg: LoggingConfig, config_name: str, world_size: int, cu
 
 
 # keys that may differ between a run and the command that continues it: none changes what a step computes
-# (``num_iters`` changes the schedule's length: it extends a complete run, or re-plans an unfinished one)
-CONTINUATION_KEYS = ("run_num", "description", "num_iters", "resume", "checkpoint_every_steps",
+# (``num_iters`` changes the schedule's length: it extends a complete run, or re-plans an unfinished one;
+# ``expdir``: a runs folder moved or copied elsewhere holds the same runs)
+CONTINUATION_KEYS = ("run_num", "expdir", "description", "num_iters", "resume", "checkpoint_every_steps",
                      "checkpoint_every_minutes", "keep_checkpoints", "async_checkpoint", "checkpoint_checksums",
                      "log_every", "num_data_workers", "rendezvous_timeout_s", "collective_timeout_s")
 NEW_RUN_HINT = "--resume never starts a new run instead"
