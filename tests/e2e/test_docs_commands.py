@@ -15,7 +15,7 @@ A ```text block after ``<!-- output -->`` quotes the output of the ```bash block
 ``<!-- output of: COMMAND -->``, that of the page's earlier command COMMAND. Every line it quotes must be a
 line of that output, in order (:func:`compare_quoted`): numbers and file names as printed, up to the values
 that differ from run to run (:data:`VOLATILE`: timestamps, durations, throughput, memory, the iteration a
-signal lands at); ``...`` stands for lines left out, and a line ending in ``...`` for the rest of its line.
+signal lands at); a line ``...`` stands for lines left out, and ``...`` in a line for text left out.
 
 To keep the runs short: every ``train.py``/``train_mp.py`` run of ``docs/`` trains ``--num_iters`` scaled by
 :data:`SCALE` (tiny's 800 iterations become 8; appended where the command gives none), on the fixture's
@@ -165,9 +165,8 @@ def compare_quoted(quote: Quote, produced: str) -> str | None:
     for raw, want in zip(quote.lines, normalized(quote.lines)):
         if want in ("", "..."):
             continue
-        prefix = want.endswith("...")
-        match = [i for i in range(at, len(have)) if (have[i].startswith(want[:-3].rstrip()) if prefix
-                                                      else have[i] == want)]
+        pattern = re.compile(".*".join(re.escape(part) for part in want.split("...")))
+        match = [i for i in range(at, len(have)) if pattern.fullmatch(have[i])]
         if not match:
             return f"{quote.page}:{quote.line}: the quoted line {raw.strip()!r} is not in the output (after line " \
                 f"{at} of it)"
