@@ -11,10 +11,17 @@ working copy of the repository (symlinks to its code and configs, a copy of the 
   the background with ``&`` is not checked);
 * ``says "TEXT"`` is a text its output must hold.
 
-To keep the runs short: every ``train.py``/``train_mp.py`` run trains ``--num_iters`` scaled by
+A ```text block after ``<!-- output -->`` quotes the output of the ```bash block just above it; after
+``<!-- output of: COMMAND -->``, that of the page's earlier command COMMAND. Every line it quotes must be a
+line of that output, in order (:func:`compare_quoted`): numbers and file names as printed, up to the values
+that differ from run to run (:data:`VOLATILE`: timestamps, durations, throughput, memory, the iteration a
+signal lands at); a line ``...`` stands for lines left out, and ``...`` in a line for text left out.
+
+To keep the runs short: every ``train.py``/``train_mp.py`` run of ``docs/`` trains ``--num_iters`` scaled by
 :data:`SCALE` (tiny's 800 iterations become 8; appended where the command gives none), on the fixture's
 small dataset; ``make train`` runs the Makefile's training line without the set-up; a ``sleep`` waits at most
 :data:`MAX_SLEEP` seconds (a signal sent then still lands during the run: its start-up alone takes longer).
+The README runs as written, on the Makefile's data, so that its quoted numbers are the ones it produces.
 """
 
 from __future__ import annotations
@@ -42,6 +49,14 @@ MIN_RUN = 35  # commands run over all pages at least: a parser that stops findin
 NOT_LINKED = {"runs", "data", "compare_runs", "site", ".git", ".venv", "build", "__pycache__", ".pytest_cache"}
 TRAIN = re.compile(r"\b(?:train|train_mp)\.py\b")
 NO_TRAINING = ("--help", "-h", "--list-configs", "--list_configs", "--print-config", "--print_config")
+OUTPUT_MARK = re.compile(r"<!-- output(?: of: (.+?))? -->")
+# values that differ from run to run, masked in quoted and produced lines alike
+VOLATILE = [(re.compile(p), r) for p, r in (
+    (r"^\d\d:\d\d:\d\d ", ""),  # the log's timestamps (the docs leave them out)
+    (r"\b\d+(?:\.\d+)? s\b", "# s"), (r"\b[\d.]+ samples/s", "# samples/s"), (r"data wait \d+%", "data wait #%"),
+    (r"peak RSS [\d.]+ GiB", "peak RSS # GiB"), (r"\biteration \d+", "iteration #"), (r"step_\d+", "step_#"),
+    (r"\(epoch \d+, step \d+ of it\)", "(epoch #, step # of it)"))]
+VOLATILE_COLUMNS = ("samples/s", "GiB")  # of compare_runs' table: throughput and memory of a busy machine
 
 
 @dataclass
@@ -69,15 +84,48 @@ def split_comment(line: str) -> tuple[str, str]:
     return line.rstrip(), ""
 
 
+@dataclass
+class Quote:
+    """A ```text block quoting the output of the commands ``of`` (indices into the page's commands)."""
+
+    page: str
+    line: int
+    of: list[int]
+    lines: list[str] = field(default_factory=list)
+
+
 def page_commands(path: Path) -> list[Command]:
     """The commands of the ```bash blocks of ``path``, continuation lines joined."""
-    out, block, pending, start = [], False, "", 0
+    return parse_page(path)[0]
+
+
+def parse_page(path: Path) -> tuple[list[Command], list[Quote]]:
+    """The commands of the ```bash blocks of ``path`` (continuation lines joined) and its quoted outputs."""
+    out, quotes, block, pending, start = [], [], "", "", 0
+    last_block: list[int] = []  # the commands of the latest ```bash block
+    marked: Quote | None = None  # a quote announced by an output mark, its ```text block next
+    page = path.relative_to(REPO).as_posix()
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         stripped = raw.strip()
-        if stripped.startswith("```"):
-            block = stripped == "```bash"
+        mark = OUTPUT_MARK.fullmatch(stripped)
+        if mark and not block:
+            of = [i for i, c in enumerate(out) if c.text == mark.group(1)][:1] if mark.group(1) else last_block
+            assert of, f"{page}:{number}: no command {mark.group(1) or 'above'} to quote"
+            marked = Quote(page, number, list(of))
             continue
-        if not block or not stripped:
+        if stripped.startswith("```"):
+            if block == "text" and marked:
+                quotes.append(marked)
+                marked = None
+            opening = stripped[3:] if not block else ""
+            block = opening if opening else ""
+            if block == "bash":
+                last_block = []
+            continue
+        if block == "text" and marked:
+            marked.lines.append(raw)
+            continue
+        if block != "bash" or not stripped:
             continue
         if not pending:
             start = number
@@ -87,8 +135,43 @@ def page_commands(path: Path) -> list[Command]:
         text, comment = split_comment(pending + stripped)
         pending = ""
         if text:
-            out.append(command(path.relative_to(REPO).as_posix(), start, text, comment))
+            last_block.append(len(out))
+            out.append(command(page, start, text, comment))
+    return out, quotes
+
+
+def normalized(lines: list[str]) -> list[str]:
+    """``lines`` with :data:`VOLATILE` values masked, spaces collapsed, and the :data:`VOLATILE_COLUMNS` of a
+    table (the tokens under those headers) masked."""
+    out, columns = [], None
+    for line in lines:
+        for pattern, repl in VOLATILE:
+            line = pattern.sub(repl, line)
+        tokens = line.split()
+        if any(c in tokens for c in VOLATILE_COLUMNS):
+            columns = (len(tokens), [i for i, t in enumerate(tokens) if t in VOLATILE_COLUMNS])
+        elif columns and len(tokens) == columns[0]:
+            tokens = ["#" if i in columns[1] else t for i, t in enumerate(tokens)]
+        else:
+            columns = None if not tokens else columns
+        out.append(" ".join(tokens))
     return out
+
+
+def compare_quoted(quote: Quote, produced: str) -> str | None:
+    """Why ``quote`` is not ``produced`` (its lines in order, as the module docstring says), or None."""
+    have = normalized(produced.splitlines())
+    at = 0
+    for raw, want in zip(quote.lines, normalized(quote.lines)):
+        if want in ("", "..."):
+            continue
+        pattern = re.compile(".*".join(re.escape(part) for part in want.split("...")))
+        match = [i for i in range(at, len(have)) if pattern.fullmatch(have[i])]
+        if not match:
+            return f"{quote.page}:{quote.line}: the quoted line {raw.strip()!r} is not in the output (after line " \
+                f"{at} of it)"
+        at = match[0] + 1
+    return None
 
 
 def command(page: str, line: int, text: str, comment: str) -> Command:
@@ -98,8 +181,6 @@ def command(page: str, line: int, text: str, comment: str) -> Command:
         cmd.skip = f"{tag.group(1)}: {SKIP_TAGS[tag.group(1)]}"
     elif re.match(r"make\b", cmd.text) and cmd.text != "make train":
         cmd.skip = "make: sets up the environment"
-    elif "../shared/" in cmd.text and not (REPO.parent / "shared").is_dir():
-        cmd.skip = "no ../shared beside the repository"
     status = re.search(r"\bexit (?:status )?(\d+)", comment)
     cmd.status = None if cmd.text.endswith("&") else int(status.group(1)) if status else 0
     cmd.says = re.findall(r'says "([^"]+)"', comment)
@@ -115,9 +196,12 @@ def makefile_training() -> str:
     return lines[0].replace("$(BIN)/python", "python")
 
 
-def runnable(cmd: Command) -> str:
-    """The shell text the test runs for ``cmd``: shortened as the module docstring says."""
+def runnable(cmd: Command, scaled: bool = True) -> str:
+    """The shell text the test runs for ``cmd``: shortened as the module docstring says (as written: not
+    ``scaled``)."""
     text = makefile_training() if cmd.text == "make train" else cmd.text
+    if not scaled:
+        return text
     text = re.sub(r"\bsleep (\d+)", lambda m: f"sleep {min(int(m.group(1)), MAX_SLEEP)}", text)
     if not TRAIN.search(text) or any(flag in text.split() for flag in NO_TRAINING) or cmd.status == 2:
         return text  # nothing trains (an expected error stops before)
@@ -129,15 +213,15 @@ def runnable(cmd: Command) -> str:
     return f"{body} --num_iters {round(800 * SCALE)}{background}"
 
 
-def script(commands: list[Command], logs: Path) -> str:
+def script(commands: list[Command], logs: Path, scaled: bool = True) -> str:
     """A bash script running ``commands`` in order in one shell (so ``$!`` reaches the next line), checking each
     one's status and output; it prints ``ran N (S s)`` after each command that passed."""
     lines = ["set -u"]
     for n, cmd in enumerate(commands):
-        log = logs / f"{n}.log"
+        log, text = logs / f"{n}.log", runnable(cmd, scaled)
         lines += [f"export PET_MASTER_PORT={free_port()} MASTER_PORT={free_port()}",
-                  f"echo '$ {cmd.page}:{cmd.line}: '{quote(runnable(cmd))}",
-                  "t0=$SECONDS", "{", runnable(cmd), f"}} > {log} 2>&1", "status=$?", f"cat {log}"]
+                  f"echo '$ {cmd.page}:{cmd.line}: '{quote(text)}",
+                  "t0=$SECONDS", "{", text, f"}} > {log} 2>&1", "status=$?", f"cat {log}"]
         if cmd.status is not None:
             lines.append(f'[ $status -eq {cmd.status} ] || {{ echo "FAILED: exit status $status, not {cmd.status}"; '
                          "exit 1; }")
@@ -153,23 +237,29 @@ def quote(text: str) -> str:
 
 def working_copy(root: Path, data: Path) -> Path:
     """A checkout under ``root`` whose code, configs and docs are links to the repository's, with its own
-    ``data/tiny`` (a copy of ``data``), and ``../shared`` beside it."""
+    ``data/tiny`` (a copy of ``data``), and nothing beside it (the project ships what its docs use)."""
     checkout = root / "checkout"
     checkout.mkdir(parents=True)
     for item in REPO.iterdir():
         if item.name not in NOT_LINKED and not item.name.endswith(".egg-info"):
             (checkout / item.name).symlink_to(item)
     shutil.copytree(data, checkout / "data" / "tiny")
-    if (REPO.parent / "shared").is_dir():
-        (root / "shared").symlink_to(REPO.parent / "shared")
     return checkout
 
 
-def run_page(commands: list[Command], checkout: Path, logs: Path) -> subprocess.CompletedProcess:
+def run_page(commands: list[Command], checkout: Path, logs: Path, scaled: bool = True) -> subprocess.CompletedProcess:
     logs.mkdir(parents=True, exist_ok=True)
     env = subprocess_env(PATH=f"{Path(sys.executable).parent}:{subprocess_env()['PATH']}")
-    return subprocess.run(["bash", "-c", script(commands, logs)], cwd=checkout, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    return subprocess.run(["bash", "-c", script(commands, logs, scaled)], cwd=checkout, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1200 if not scaled else 600)
+
+
+@pytest.fixture(scope="session")
+def makefile_data(tmp_path_factory) -> Path:
+    """The data ``make train`` trains on (the Makefile's data target), for the README's run as written."""
+    from utils.preprocess.synthetic_dataset import make_synthetic_dataset
+    return make_synthetic_dataset(tmp_path_factory.mktemp("make_data") / "tiny", channels=4, img_size=(32, 64),
+                                  train_years=4, steps_per_year=128, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -184,15 +274,38 @@ def trained_runs(tiny_data, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
 def test_documented_commands_run(page, tiny_data, tmp_path, request):
-    commands = [c for c in page_commands(page) if c.skip is None]
+    every, quotes = parse_page(page)
+    commands = [c for c in every if c.skip is None]
     if not commands:
         pytest.skip(f"{page.name}: no command runs on a CPU")
-    checkout = working_copy(tmp_path, tiny_data)
-    if page.name != "README.md":
+    readme = page.name == "README.md"  # run as written: its quoted numbers are checked
+    checkout = working_copy(tmp_path, request.getfixturevalue("makefile_data") if readme else tiny_data)
+    if not readme:
         shutil.copytree(request.getfixturevalue("trained_runs"), checkout / "runs")
-    result = run_page(commands, checkout, tmp_path / "logs")
+    result = run_page(commands, checkout, tmp_path / "logs", scaled=not readme)
     ran = re.findall(r"^ran (\d+) ", result.stdout, re.M)
     assert result.returncode == 0 and ran and int(ran[-1]) == len(commands), result.stdout[-6000:]
+    logs = {id(c): tmp_path / "logs" / f"{n}.log" for n, c in enumerate(commands)}
+    for q in quotes:
+        assert all(every[i].skip is None for i in q.of), f"{q.page}:{q.line} quotes a command the test skips"
+        problem = compare_quoted(q, "".join(logs[id(every[i])].read_text() for i in q.of))
+        assert problem is None, problem
+
+
+def test_quoted_output_is_compared():
+    """The comparison finds a quoted number that the output does not hold, and lets volatile values differ."""
+    quote = Quote("p", 1, [0], ["epoch 13/13 | 1.08 s | 325.8 samples/s | data wait 15% | valid loss 0.0931",
+                               "...", "skill over 120 initial times ..."])
+    produced = ("12:00:01 epoch 13/13 | 2.50 s | 99.0 samples/s | data wait 3% | valid loss 0.0931\n"
+                "x\nskill over 120 initial times (RMSE and bias in channel units)\n")
+    assert compare_quoted(quote, produced) is None
+    assert "valid loss 0.0931" in compare_quoted(quote, produced.replace("0.0931", "0.0932"))
+    assert compare_quoted(quote, produced.replace("120 initial", "127 initial")) is not None
+    table = ["run lr samples/s MFU GiB retries loss", "00 0.002 9.9 - 0.51 - 0.07792"]
+    assert compare_quoted(Quote("p", 1, [0], table), "run lr samples/s MFU GiB retries loss\n"
+                                                      "00 0.002 12.5 - 0.47 - 0.07792\n") is None
+    assert compare_quoted(Quote("p", 1, [0], table), "run lr samples/s MFU GiB retries loss\n"
+                                                      "00 0.002 12.5 - 0.47 - 0.07793\n") is not None
 
 
 def test_enough_documented_commands_run():

@@ -144,10 +144,12 @@ def test_the_python_example_runs_and_plots(run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote" in proc.stdout and (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # without --out: beside the run, not in the directory it runs from (the repository root, as documented)
-    proc = run_forked([str(ROOT / "docs" / "examples" / "forecast_from_python.py"), "--run_dir", str(run),
+    import shutil
+    own = shutil.copytree(run, tmp_path / "run")  # the module's run stays as trained
+    proc = run_forked([str(ROOT / "docs" / "examples" / "forecast_from_python.py"), "--run_dir", str(own),
                        "--lead_steps", "1"], tmp_path, subprocess_env())
-    assert proc.returncode == 0 and f"wrote {run / 'forecast.png'}" in proc.stdout, proc.stderr[-3000:]
-    assert (run / "forecast.png").is_file() and not (tmp_path / "forecast.png").exists()
+    assert proc.returncode == 0 and f"wrote {own / 'forecast.png'}" in proc.stdout, proc.stderr[-3000:]
+    assert (own / "forecast.png").is_file() and not (tmp_path / "forecast.png").exists()
 
 
 def test_the_device_defaults_to_what_is_there(run):

@@ -60,3 +60,14 @@ def test_readme_is_short_and_its_links_resolve():
         assert path.exists(), f"README links to a missing {target}"
         if anchor:
             assert anchor in headings(path), f"README links to #{anchor}, which {target} lacks"
+
+
+def test_readme_and_the_config_list_give_tiny_the_same_time():
+    """``make train``'s time in the README is what ``--list-configs`` says of tiny (they once said half a minute
+    and 20 s), and where the README lists a run's checkpoints it names how many are kept."""
+    from utils.config.command_line import config_list
+    from utils.config.schema import KEYS
+    text = (REPO / "README.md").read_text()
+    claim = re.search(r"trains the tiny ViT \(([^)]*)\)", text).group(1)
+    assert claim in config_list(), (claim, config_list())
+    assert f"the newest {KEYS['keep_checkpoints'].default} kept: `--keep_checkpoints`" in text

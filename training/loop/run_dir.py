@@ -35,8 +35,9 @@ def run_parent(logging_cfg: LoggingConfig, config_name: str, world_size: int, cu
 
 
 # keys that may differ between a run and the command that continues it: none changes what a step computes
-# (``num_iters`` changes the schedule's length: it extends a complete run, or re-plans an unfinished one)
-CONTINUATION_KEYS = ("run_num", "description", "num_iters", "resume", "checkpoint_every_steps",
+# (``num_iters`` changes the schedule's length: it extends a complete run, or re-plans an unfinished one;
+# ``expdir``: a runs folder moved or copied elsewhere holds the same runs)
+CONTINUATION_KEYS = ("run_num", "expdir", "description", "num_iters", "resume", "checkpoint_every_steps",
                      "checkpoint_every_minutes", "keep_checkpoints", "async_checkpoint", "checkpoint_checksums",
                      "log_every", "num_data_workers", "rendezvous_timeout_s", "collective_timeout_s")
 NEW_RUN_HINT = "--resume never starts a new run instead"
@@ -178,16 +179,20 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def _why_new(parent: Path, new: Path, flat_config: dict, config_name: str) -> str:
-    """Why a new run: no earlier run of this config name, or the keys in which the earlier runs differ."""
+    """Why a new run: no earlier run of this config name, those of these settings in use (named before this),
+    or the keys in which the earlier runs differ."""
     runs = [p for p in numbered_runs(parent) if p != new]
     if not runs:
         return f"no earlier run of config {config_name} in {parent}"
-    keys = sorted({k for p in runs for k, v in flat_config.items() if k not in CONTINUATION_KEYS
+    other = [p for p in runs if not same_config(read_run_record(p).get("config", {}), flat_config)]
+    if not other:
+        return "the runs of these settings are in use"
+    keys = sorted({k for p in other for k, v in flat_config.items() if k not in CONTINUATION_KEYS
                    and read_run_record(p).get("config", {}).get(k) != v})
     shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
-    verb = "differ" if len(runs) > 1 else "differs"
-    return f"run{'s' * (len(runs) > 1)} {', '.join(p.name for p in runs)} of config {config_name} {verb} from this " \
-        f"command in {shown}; to continue a run, repeat its settings (its config.yaml)"
+    verb = "differ" if len(other) > 1 else "differs"
+    return f"run{'s' * (len(other) > 1)} {', '.join(p.name for p in other)} of config {config_name} {verb} from " \
+        f"this command in {shown}; to continue a run, repeat its settings (its config.yaml)"
 
 
 def _take(path: Path, resume: str, flat_config: dict, explicit: bool) -> RunDir:
