@@ -66,7 +66,9 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
         step = training_step(cfg, world, model)
         c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
         k = max_rollout_steps(cfg.optim)  # the step runs the run's largest K (training/loop/step.py)
-        batch = (torch.randn(local, c, h, w), torch.randn(local, k, c, h, w), torch.arange(local))
+        dev = world.device  # the model's device: a dry run on a GPU machine steps fake CUDA tensors
+        batch = (torch.randn(local, c, h, w, device=dev), torch.randn(local, k, c, h, w, device=dev),
+                 torch.arange(local, device=dev))
         plan = tracked_plan(cfg, world, step, itertools.repeat(batch), local, global_batch)
     plan.notes.append("estimated: fake tensors (exact shapes and dtypes; no allocator rounding, cache or "
                       "fragmentation; CPU autocast; eager); nothing searched: run the planner on a GPU for the "
