@@ -3,22 +3,28 @@
 
     python benchmarks/rollout_training.py --config tiny --variants 1,2,4,2c,4c --out benchmarks/results/cpu_rollout_training.json
 
-A variant ``K`` trains at K rollout steps, ``Kc`` adds per-step checkpointing. Each trains two short epochs and
-reports the second: samples/s (initial states a second: a sample costs K forward and backward passes), the
-process's peak memory (peak allocated on a GPU, peak RSS on the CPU: mostly the interpreter and libraries), and
-the tensor peak of one step and its activations, measured by PyTorch's memory tracker on the planner's dry run
-(``--simulate_world_size 1``: fake tensors, exact bytes, nothing else in them). Prints a table and saves JSON.
+A variant ``K`` trains at K rollout steps, ``Kc`` adds per-step checkpointing. Per variant:
+
+* samples/s (initial states a second: a sample costs K forward and backward passes) of the training step on
+  synthetic batches of the real shape, in this process: ``--rounds`` rounds that time ``--steps`` steps of every
+  variant in turn, the best round kept (on a shared machine the other loads only ever slow a round down);
+* the peak memory of a short ``train.py`` run (two epochs of ``--steps`` steps on the configured data; peak
+  allocated on a GPU, peak RSS on the CPU, which is mostly the interpreter and libraries);
+* the tensor peak of one step and its activations, measured by PyTorch's memory tracker on the planner's dry run
+  (``--simulate_world_size 1``: fake tensors, exact bytes, nothing else in them).
+
+Prints a table and saves JSON.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
 
 COLUMNS = [("variant", "variant", "s"), ("K", "k", "d"), ("per-step AC", "checkpointed", "s"),
            ("samples/s", "samples_per_s", ".2f"), ("vs K=1", "relative_speed", ".2f"),
@@ -41,12 +47,47 @@ def tracked_step(common: list[str], config: str) -> dict:
     return {"tensor_peak_mib": plan.tensor_peak / 2**20, "activations_mib": plan.parts["activations"] / 2**20}
 
 
+def step_seconds(variants: list[str], config: str, local_batch: int, steps: int, rounds: int) -> dict[str, float]:
+    """Best seconds per optimizer step of each variant over ``rounds`` interleaved rounds of ``steps`` steps."""
+    import itertools
+    import time
+
+    import torch
+
+    from distributed.world import init_distributed
+    from utils.config.command_line import cli_config
+    from utils.data.synthetic_loader import SyntheticBatches
+    from training.loop.rollout import max_rollout_steps
+    from training.loop.step import build_training_step
+
+    runs = {}
+    for variant in variants:
+        cfg = cli_config(["--config", config, "--local_batch_size", str(local_batch), *variant_args(variant)], config)
+        world = init_distributed(cfg.parallel)
+        step = build_training_step(cfg, world)
+        batches = SyntheticBatches(1, local_batch, cfg.data.n_in_channels, cfg.data.img_size, world.device,
+                                   target_steps=max_rollout_steps(cfg.optim))
+        runs[variant] = (step, itertools.cycle(list(batches)))
+        step(runs[variant][1])  # warm-up
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(rounds):
+        for variant, (step, batches) in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(batches)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            best[variant] = min(best[variant], (time.perf_counter() - t0) / steps)
+    return best
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--variants", default="1,2,4,2c,4c", help="comma list of K, with a c for per-step checkpointing")
     ap.add_argument("--local_batch_size", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per epoch (two epochs, the second timed)")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per timed round, and per epoch of the runs")
+    ap.add_argument("--rounds", type=int, default=20, help="timed rounds (the best kept)")
     ap.add_argument("--extra", default="", help="extra train.py arguments for every variant")
     ap.add_argument("--expdir", default="/tmp/rollout_training_runs")
     ap.add_argument("--out", default="benchmarks/results/rollout_training.json")
@@ -55,11 +96,15 @@ def main() -> int:
     base = ["--config", args.config, "--local_batch_size", str(args.local_batch_size), "--log_every", "1000",
             "--limit_nsamples", str(args.steps * args.local_batch_size), "--num_iters", str(2 * args.steps),
             "--valid_every", "1000", *args.extra.split()]
-    rows = Results(Path(args.out), config=args.config, local_batch_size=args.local_batch_size, extra=args.extra)
-    for variant in args.variants.split(","):
+    rows = Results(Path(args.out), config=args.config, local_batch_size=args.local_batch_size, extra=args.extra,
+                   timing=f"best of {args.rounds} interleaved rounds of {args.steps} steps, synthetic batches")
+    variants = args.variants.split(",")
+    seconds = step_seconds(variants, args.config, args.local_batch_size, args.steps, args.rounds)
+    for variant in variants:
         common = [*base, *variant_args(variant)]
         row = run_variant(f"rollout_{variant}", common, Path(args.expdir))
         row.pop("curve", None)
+        row["samples_per_s"] = args.local_batch_size / seconds[variant]
         peak = row.get("memory/peak_allocated", row.get("memory/peak_rss"))
         row.update(k=int(variant.rstrip("c")), checkpointed="yes" if variant.endswith("c") else "no",
                    peak_gib=peak, **tracked_step(common, args.config))  # the record's memory is in GiB

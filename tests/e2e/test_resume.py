@@ -59,6 +59,9 @@ def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_dat
     assert "resumed at iteration 10" in (run / "out.log").read_text()
     assert_same_state(run, whole(), tmp_path)
     assert [m["train/rollout_steps"] for m in metrics(run)] == [2, 3, 3]  # epochs end at 8, 16, 24
+    log = (run / "out.log").read_text()
+    assert "epoch 3 step 8/8 loss" in log and "train loss" in log
+    assert [line.rsplit(" K ", 1)[-1] for line in log.splitlines() if " step 8/8 loss " in line] == ["2", "3", "3"]
 
 
 def test_fine_tune_from_a_run_killed_then_rerun_resumes_its_own_checkpoint(tiny_data, tmp_path, tmp_path_factory):

@@ -184,7 +184,7 @@ def test_dataset_files_never_write_through_a_planted_link(tmp_path, planted_at):
     never rename over a link."""
     import numpy as np
 
-    from utils.data import writer
+    from utils.preprocess import writer
     outside = tmp_path / "outside.txt"
     outside.write_text("precious\n")
     (tmp_path / planted_at).symlink_to(outside)

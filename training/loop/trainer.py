@@ -145,8 +145,9 @@ class Trainer:
         """``--resume PATH``: a complete checkpoint of this model; ``--init_from``: a model file of this model
         (read by rank 0, its verdict on every rank)."""
         if cfg.checkpoint.init_from is not None:
-            main_decides(lambda: read_init_weights(Path(cfg.checkpoint.init_from), plain_shapes(cfg)) and None, world,
-                         (UserError,))
+            def check_init() -> None:  # the verdict, not the weights, goes to every rank
+                read_init_weights(Path(cfg.checkpoint.init_from), plain_shapes(cfg))
+            main_decides(check_init, world, (UserError,))
         if cfg.checkpoint.resume in ("auto", "never"):
             return
         main_decides(lambda: check_model_shapes(resolve_checkpoint(Path(cfg.checkpoint.resume)), plain_shapes(cfg)),

@@ -65,3 +65,11 @@ def test_init_from_starts_from_the_runs_weights_not_its_optimizer_or_step(tiny_d
         assert trainer.state.step == 0 and not trainer.optimizer.state
     finally:
         trainer.close()
+
+
+def test_synthetic_loader_feeds_k_targets(tmp_path):
+    """The synthetic loader's batches carry the run's K targets (no data read)."""
+    train_checkpoint(tiny_params(tmp_path / "none", tmp_path, num_iters=2, global_batch_size=8, train_rollout_steps=3,
+                                 data_loader_config="synthetic", limit_nsamples=16, limit_nsamples_val=8))
+    metrics = last_metrics(tmp_path / "tiny" / "1CPU" / "00")
+    assert metrics["train/rollout_steps"] == 3 and metrics["loss/train"] > 0

@@ -1,0 +1,68 @@
+"""Skill of runs side by side, from their ``evaluate.py`` scorecards: RMSE and ACC per channel at chosen leads,
+with climatology's RMSE beside them (the rollout-training comparison of docs/evaluation.md).
+
+    python benchmarks/rollout_skill.py --runs k1=runs/tiny/1CPU/a_k1,k4=runs/tiny/1CPU/b_k4 --leads 6,24,72,120,240 \
+        --out benchmarks/results/cpu_rollout_skill.json
+
+Reads ``<run>/evaluation/scorecard.json`` of each run (``python evaluate.py --run_dir RUN --lead_steps N``
+first), prints one table per channel and saves the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import save_json  # noqa: E402
+from utils.core.errors import ArgumentParser  # noqa: E402
+
+
+def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list[dict]:
+    """One row per lead (hours) held by every card: each run's RMSE and ACC, and climatology's RMSE."""
+    rows = []
+    first = next(iter(cards.values()))
+    for lead in leads:
+        if lead not in first["lead_hours"]:
+            continue
+        row = {"lead_h": lead}
+        for name, card in cards.items():
+            j = card["lead_hours"].index(lead)
+            row[f"rmse {name}"] = card["scores"]["model"]["rmse"][channel][j]
+            row[f"acc {name}"] = card["scores"]["model"]["acc"][channel][j]
+        row["rmse climatology"] = first["scores"]["climatology"]["rmse"][channel][first["lead_hours"].index(lead)]
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", required=True, help="comma list of name=run_dir")
+    ap.add_argument("--leads", default="6,24,48,72,120,168,240", help="lead times in hours")
+    ap.add_argument("--out", default="benchmarks/results/rollout_skill.json")
+    args = ap.parse_args()
+    runs = dict(item.split("=", 1) for item in args.runs.split(","))
+    cards = {name: json.loads((Path(run) / "evaluation" / "scorecard.json").read_text()) for name, run in runs.items()}
+    leads = [float(v) for v in args.leads.split(",")]
+    result = {"runs": {name: {"dir": runs[name], "training_rollout": card.get("training_rollout"),
+                              "checkpoint_step": card.get("checkpoint_step"), "initial_times": card["initial_times"]}
+                       for name, card in cards.items()}, "channels": {}}
+    for name, info in result["runs"].items():
+        print(f"{name}: {info['dir']} at step {info['checkpoint_step']}, {info['training_rollout']}, "
+              f"{info['initial_times']} initial times")
+    for channel in next(iter(cards.values()))["channels"]:
+        rows = skill_rows(cards, channel, leads)
+        result["channels"][channel] = rows
+        keys = list(rows[0])
+        print(f"\n{channel}\n" + "  ".join(f"{k:>16}" for k in keys))
+        for row in rows:
+            print("  ".join(f"{row[k]:>16.4g}" for k in keys))
+    save_json(Path(args.out), result)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
