@@ -200,6 +200,8 @@ CASES = [
          ["--rollout_max_steps 2 is below --train_rollout_steps 3", "only raises K"]),
     Case("rollout weights of another length", ["--train_rollout_steps", "2", "--rollout_step_weights", "[1,1,1]"],
          ["--rollout_step_weights has 3 weight(s) but the run trains up to 2 rollout steps"]),
+    Case("memory profile of rollout training", ["--train_rollout_steps", "2", "--memory_profile", "true"],
+         ["--memory_profile is not supported with rollout training (2 rollout steps)"]),
     Case("per-step checkpointing without rollout", ["--rollout_checkpointing", "true"],
          ["--rollout_checkpointing has no effect with one rollout step"]),
     Case("init_from a missing run", ["--init_from", "/nonexistent/run"], ["--init_from /nonexistent/run: no such"]),

@@ -168,6 +168,10 @@ def _check_rollout(cfg: Config, launch: Launch) -> None:
     if weights and sum(weights[:start]) <= 0:  # weights are >= 0: later K only add to the sum
         raise UserError(f"--rollout_step_weights {list(weights)}: the first {start} weights sum to 0, so the loss "
                         "would be 0/0; give the first step a positive weight")
+    if cfg.memory.memory_profile and k > 1:
+        raise UserError(f"--memory_profile is not supported with rollout training ({k} rollout steps): its per-module "
+                        "table restarts at each call of the model, which rollout calls K times a step; profile at "
+                        "--train_rollout_steps 1, or plan with --simulate_world_size, which measures K steps")
     if cfg.precision.rollout_checkpointing and k == 1:
         raise UserError("--rollout_checkpointing has no effect with one rollout step; add --train_rollout_steps K > 1 "
                         "(or --rollout_max_steps) or drop --rollout_checkpointing")
