@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from distributed.layers import (DistributedAttention, DistributedLayerNorm, DistributedMLP, DistributedPatchEmbed,
                                 Groups, ReplicatedLinear, parallel_param, tp_group)
 from distributed.mappings import gather_from_parallel_region, group_size
 from distributed.world import local_tensor
 from networks.vit import Attention, VisionTransformer
-from torch.distributed.tensor import Replicate
 
 # wrapper prefixes that are not part of the plain model's names (DDP, torch.compile, activation checkpointing)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")

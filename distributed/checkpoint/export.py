@@ -25,13 +25,14 @@ from distributed.checkpoint.folder import (DISK_FIX, describe_exception, folder_
 from distributed.checkpoint.storage import SafeReader, mismatched_file, read_manifest
 from distributed.checkpoint.views import ViewLoadPlanner
 from distributed.tensor_parallel import checkpoint_views
+from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, config_sections, package_meta
 from networks.vit import build_model
 from utils.config.loading import load_run_config
 from utils.config.schema import Config
 from utils.core.errors import UserError
-from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, config_sections, package_meta
-from utils.core.safe_load import load_plain
 from utils.core.files import check_replaceable
+from utils.core.safe_load import load_plain
+
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) CPU state dict in the plain model's names and shapes, on rank 0 (other ranks get an

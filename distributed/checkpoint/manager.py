@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.checkpoint.export import save_full_model
-from networks.model_file import FINAL_MODEL
 from distributed.checkpoint.sharded import ShardedCheckpoints
 from distributed.world import World, all_reduce
+from networks.model_file import FINAL_MODEL
 from utils.config.schema import CheckpointConfig
 from utils.core.component import Component
 from utils.core.errors import EXIT_PREEMPTED, Preempted

@@ -34,9 +34,8 @@ from distributed.checkpoint.views import ViewLoadPlanner, ViewSavePlanner
 from distributed.tensor_parallel import checkpoint_views
 from distributed.world import World, main_decides
 from utils.config.schema import CheckpointConfig
-from utils.core.errors import UserError
+from utils.core.errors import UnsafeCheckpoint, UserError
 from utils.core.files import write_atomic, write_json_atomic
-from utils.core.errors import UnsafeCheckpoint
 from utils.core.safe_load import load_plain
 
 log = logging.getLogger(__name__)

@@ -85,8 +85,8 @@ def main(argv: list[str]) -> None:
     from distributed.launch import detect_launch
     from distributed.world import distributed_session
     from utils.config.loading import load_run_config
-    from utils.core.logs import setup_logging
     from utils.config.schema import ParallelConfig
+    from utils.core.logs import setup_logging
 
     cfg = load_run_config(args.run_dir)
     launch = detect_launch()
@@ -103,15 +103,15 @@ def evaluate(args, cfg, world) -> None:
     """Roll out, score, and (rank 0) write the scorecard files and print the table."""
     import torch
 
-    from utils.precision.amp import AMP_DTYPES
     from distributed.checkpoint.export import load_checkpoint_model
-    from utils.data.loaders import split_batches
-    from utils.data.metadata import read_channel_units, read_metadata
-    from utils.data.stats import Stats
     from training.evaluation.evaluator import checked_latitude_weights
     from training.evaluation.metrics import spectrum_rows
     from training.evaluation.outputs import ForecastWriter, write_scorecard
     from training.evaluation.scoring import format_scorecard, lead_times, score_rollouts
+    from utils.data.loaders import split_batches
+    from utils.data.metadata import read_channel_units, read_metadata
+    from utils.data.stats import Stats
+    from utils.precision.amp import AMP_DTYPES
 
     device, data = world.device, cfg.data
     data = dataclasses.replace(data, data_path=str(resolve_data_path(data.data_path)))

@@ -13,14 +13,14 @@ from torch import nn
 
 from distributed.simulate import is_simulated
 from distributed.world import World, all_reduce
+from training.evaluation.metrics import latitude_weights, spectrum_rows
+from training.evaluation.scoring import score_rollouts
 from utils.config.schema import EvaluationConfig
 from utils.core.component import Component
 from utils.core.errors import NonFiniteError, UserError
 from utils.data.loaders import Data
 from utils.data.metadata import read_channel_units
 from utils.data.timestep import TimeStep
-from training.evaluation.metrics import latitude_weights, spectrum_rows
-from training.evaluation.scoring import score_rollouts
 
 
 class Evaluator(Component):

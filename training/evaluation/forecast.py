@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from distributed.checkpoint.export import load_checkpoint_model
-from utils.precision.amp import AMP_DTYPES
 from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, package_meta
 from networks.vit import build_model
+from training.evaluation.scoring import rollout
 from utils.config.loading import load_run_config
 from utils.config.schema import KEYS, Config
 from utils.config.types import coerce
@@ -33,7 +33,7 @@ from utils.core.safe_load import load_plain
 from utils.data.layout import FIELDS
 from utils.data.metadata import read_metadata, read_time_axis
 from utils.data.timestep import TimeStep
-from training.evaluation.scoring import rollout
+from utils.precision.amp import AMP_DTYPES
 
 LAT_NAMES, LON_NAMES = ("latitude", "lat"), ("longitude", "lon")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils.core.errors import UserError
-from utils.core.files import check_replaceable, write_atomic, write_text_atomic
 from training.evaluation.plots import skill_figure, spectra_figure
 from training.evaluation.scoring import FORECASTS, METRICS, SPECTRA
+from utils.core.errors import UserError
+from utils.core.files import check_replaceable, write_atomic, write_text_atomic
 
 
 def scorecard_dataset(card):

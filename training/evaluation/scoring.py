@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from distributed.world import World, all_reduce
+from training.evaluation.metrics import (blurring_band, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
+                                         weighted_bias_channels, weighted_mse_channels, zonal_power_spectrum)
+from training.monitor.profiling import nvtx_range
 from utils.data.stats import Stats
 from utils.data.timestep import lead_label
-from training.evaluation.metrics import (blurring_band, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
-                                      weighted_bias_channels, weighted_mse_channels, zonal_power_spectrum)
-from training.monitor.profiling import nvtx_range
 
 FORECASTS = ("model", "persistence", "climatology")
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from distributed.checkpoint.folder import folder_step
+from training.monitor.reporter import mark_if_dead, now, read_run_record
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
 from utils.core.lock import LOCK_FILE, DirectoryLock, Held, is_held, owner
-from training.monitor.reporter import mark_if_dead, now, read_run_record
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,18 +16,18 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from utils.precision.float8 import float8_step_hook, log_fp8_advice
 from distributed.parallelize import build_parallel_model, gradient_factor, gradient_sync
-from utils.precision.amp import AMP_DTYPES
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
 from networks.vit import build_model
-from utils.config.schema import Config, OptimConfig
-from utils.core.errors import UserError
 from training.evaluation.metrics import relative_l2_loss
+from training.loop.rollout import max_rollout_steps, rollout_loss, step_weights
 from training.monitor.memory import GIB, host_memory_available
 from training.monitor.profiling import nvtx_range
-from training.loop.rollout import max_rollout_steps, rollout_loss, step_weights
+from utils.config.schema import Config, OptimConfig
+from utils.core.errors import UserError
+from utils.precision.amp import AMP_DTYPES
+from utils.precision.float8 import float8_step_hook, log_fp8_advice
 
 log = logging.getLogger(__name__)
 

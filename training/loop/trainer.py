@@ -36,10 +36,22 @@ from distributed.checkpoint.folder import resolve_checkpoint
 from distributed.checkpoint.manager import CheckpointManager
 from distributed.checkpoint.staging import register_pinned_memory
 from distributed.checkpoint.storage import check_model_shapes
-from networks.model_file import package_meta, read_init_weights
-from utils.precision.amp import AMP_DTYPES
 from distributed.simulate import is_simulated, notice
 from distributed.world import World, all_reduce, main_decides
+from networks.model_file import package_meta, read_init_weights
+from training.evaluation.evaluator import Evaluator, nonfinite_samples
+from training.evaluation.scoring import lead_hours
+from training.loop.rollout import max_rollout_steps, rollout_steps_at
+from training.loop.run_dir import RunDir, open_run_dir, run_record
+from training.loop.state import TrainState
+from training.loop.step import (build_training_step, check_host_memory, count_parameters, plain_shapes,
+                                set_attention_backend)
+from training.monitor.flops import peak_flops, vit_flops_per_sample
+from training.monitor.memory import MemoryTracker
+from training.monitor.memory_profile import MemoryProfiler
+from training.monitor.oom import OutOfMemoryHandler
+from training.monitor.profiling import ProfilerWindow, nvtx_range
+from training.monitor.reporter import Reporter, read_run_record, tensorboard_tag
 from utils.config.loading import configs_for_data, to_yaml
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
@@ -49,19 +61,7 @@ from utils.core.logs import setup_logging
 from utils.core.signals import install, signal_name
 from utils.data.dataset import check_crop
 from utils.data.loaders import build_data
-from training.evaluation.evaluator import Evaluator, nonfinite_samples
-from training.evaluation.scoring import lead_hours
-from training.monitor.flops import peak_flops, vit_flops_per_sample
-from training.monitor.memory import MemoryTracker
-from training.monitor.memory_profile import MemoryProfiler
-from training.monitor.oom import OutOfMemoryHandler
-from training.monitor.profiling import ProfilerWindow, nvtx_range
-from training.monitor.reporter import Reporter, read_run_record, tensorboard_tag
-from training.loop.rollout import max_rollout_steps, rollout_steps_at
-from training.loop.run_dir import RunDir, open_run_dir, run_record
-from training.loop.state import TrainState
-from training.loop.step import (build_training_step, check_host_memory, count_parameters, plain_shapes,
-                              set_attention_backend)
+from utils.precision.amp import AMP_DTYPES
 
 log = logging.getLogger(__name__)
 

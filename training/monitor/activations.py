@@ -14,7 +14,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from distributed.world import local_tensor
 
-
 # model.blocks[i] of networks/vit.py, also inside DDP ("module.blocks.0"); under activation
 # checkpointing this is the checkpoint wrapper, which saves the block's input before the block runs
 BLOCK_NAME = re.compile(r"(?:^|\.)(blocks\.\d+)$")

@@ -42,13 +42,14 @@ from ruamel.yaml import YAML
 from torch import nn
 
 from distributed.world import World, all_reduce
-from utils.config.schema import MemoryConfig
-from utils.core.component import Component
-from utils.core.files import write_atomic, write_text_atomic
-from training.monitor.activations import ActivationCounter, gradient_bytes, optimized_parameters, optimizer_state_bytes, tensor_bytes
+from training.monitor.activations import (ActivationCounter, gradient_bytes, optimized_parameters,
+                                          optimizer_state_bytes, tensor_bytes)
 from training.monitor.memory import peak_rss_bytes, size_unit
 from training.monitor.module_table import STEP_PEAK, ModuleTable, format_table, load_trackers
 from training.monitor.oom import record_history, snapshot_on_oom
+from utils.config.schema import MemoryConfig
+from utils.core.component import Component
+from utils.core.files import write_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from utils.core.errors import UserError
 
-
 STEP_PEAK = "(step peak)"  # the module table's row of the whole step's peak
 
 

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
+from training.monitor.memory import GIB
 from utils.config.schema import MemoryConfig
 from utils.core.component import Component
 from utils.core.errors import OutOfMemory
-from training.monitor.memory import GIB
-
 
 # what a user can change, in the order worth trying (the one place the OOM line and the docs take them from)
 OOM_REMEDIES = ("lower --local_batch_size (raise --grad_accum_steps to keep the global batch), or find the best "

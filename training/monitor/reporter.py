@@ -23,12 +23,12 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from training.monitor.memory import format_memory
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
 from utils.core.errors import Preempted, UserError, free_space
 from utils.core.files import open_append, read_bounded, read_jsonl, write_json_atomic, write_text_atomic
 from utils.core.lock import is_held
-from training.monitor.memory import format_memory
 
 log = logging.getLogger(__name__)
 # record keys that are not scalars of the run (axes, or which rank had a maximum)

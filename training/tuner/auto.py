@@ -12,17 +12,17 @@ import logging
 from pathlib import Path
 
 from distributed.world import World, main_decides
+from training.loop.rollout import max_rollout_steps
+from training.loop.run_dir import find_run
+from training.loop.trainer import ExtraComponents
+from training.tuner.tune import (AUTO_OBJECTIVE, TUNE_FILE, TUNER_ONLY, TuneResult, journal_path, out_path,
+                                 recorded_choice, summary, tune, with_batch, write_outputs)
 from utils.config.schema import Config
 from utils.config.types import AUTO
 from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
 from utils.core.logs import setup_logging
 from utils.data.loaders import build_data
-from training.loop.rollout import max_rollout_steps
-from training.loop.run_dir import find_run
-from training.loop.trainer import ExtraComponents
-from training.tuner.tune import (AUTO_OBJECTIVE, TUNE_FILE, TUNER_ONLY, TuneResult, journal_path, out_path,
-                              recorded_choice, summary, tune, with_batch, write_outputs)
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,11 @@ def main(argv: list[str], default_config: str = "tiny", prog: str = PROG) -> Non
         return
     from distributed.launch import detect_launch, validation_launch
     from distributed.world import distributed_session
-    from utils.core.logs import setup_logging
-    from utils.config.validate import validate
     from training.tuner.trials import trial_config
-    from training.tuner.tune import (journal_path, out_path, summary, tune, tune_combination, without_tuner_keys, write_outputs)
+    from training.tuner.tune import (journal_path, out_path, summary, tune, tune_combination, without_tuner_keys,
+                                     write_outputs)
+    from utils.config.validate import validate
+    from utils.core.logs import setup_logging
 
     launch = detect_launch()
     if cfg.parallel.simulate_world_size:

@@ -14,13 +14,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from distributed.launch import LaunchEnv, validation_launch
 from distributed.parallelize import parallelize_model
 from distributed.world import World
+from training.loop.rollout import max_rollout_steps
+from training.loop.step import training_step
+from training.tuner.rank_plan import RankPlan, in_simulated_world, meta_model, planned_ranks, tracked_plan, with_rank
 from utils.config.schema import Config
 from utils.config.types import AUTO
 from utils.config.validate import batch_sizes, validate
 from utils.core.errors import UserError
-from training.loop.rollout import max_rollout_steps
-from training.loop.step import training_step
-from training.tuner.rank_plan import RankPlan, in_simulated_world, meta_model, planned_ranks, tracked_plan, with_rank
 
 
 def dry_run_config(cfg: Config) -> Config:

@@ -15,7 +15,6 @@ from distributed.world import World
 from networks.vit import build_model
 from utils.config.schema import Config
 
-
 # NCCL's documented default buffer per channel and peer (NCCL_BUFFSIZE, 4 MiB; NCCL user guide, "Environment
 # Variables": https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize). NCCL picks the
 # channel count from the topology; NCCL_MAX_NCHANNELS bounds it, else 32 channels are assumed (an assumption, not

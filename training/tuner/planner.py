@@ -40,22 +40,21 @@ import torch
 from distributed.launch import LaunchEnv, validation_launch
 from distributed.simulate import dry_run_wanted
 from distributed.world import World
+from training.loop.rollout import max_rollout_steps
+from training.loop.step import build_training_step
+from training.monitor.memory import GIB
+from training.tuner.dry_run import dry_run
+from training.tuner.estimates import analytic_shard_bytes, nccl_allowance, rank_tokens
+from training.tuner.rank_plan import RankPlan, in_simulated_world, planned_ranks, tracked_plan, with_rank
+from training.tuner.report import device_peak, governing, plan_table, submit_line
+from training.tuner.search import Trial, choice_args
+from training.tuner.trials import endless, release, trial_config
+from training.tuner.tune import (AUTO_OBJECTIVE, TuneResult, base_batch, journal_path, summary, tune, tune_combination,
+                                 write_outputs)
 from utils.config.schema import Config
 from utils.config.validate import validate
 from utils.core.files import write_json_atomic
 from utils.data.loaders import build_data
-from training.monitor.memory import GIB
-from training.loop.rollout import max_rollout_steps
-from training.loop.step import build_training_step
-from training.tuner.report import device_peak, governing, plan_table, submit_line
-from training.tuner.search import Trial, choice_args
-from training.tuner.trials import endless, release, trial_config
-from training.tuner.tune import (AUTO_OBJECTIVE, TuneResult, base_batch, journal_path, summary, tune,
-                              tune_combination, write_outputs)
-from training.tuner.dry_run import dry_run
-from training.tuner.estimates import analytic_shard_bytes, nccl_allowance, rank_tokens
-from training.tuner.rank_plan import RankPlan, in_simulated_world, planned_ranks, tracked_plan, with_rank
-
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,12 @@ from distributed.launch import LaunchEnv
 from distributed.parallelize import parallelize_model
 from distributed.world import World, init_distributed, local_tensor, shutdown
 from networks.vit import build_model
-from utils.config.schema import ALL_DISTINCT, Config
 from training.monitor.activations import gradient_bytes, optimizer_state_bytes, tensor_bytes
 from training.monitor.module_table import load_trackers
+from training.tuner.estimates import NcclAllowance, all_tokens, analytic_shard_bytes, nccl_allowance, rank_tokens
 from training.tuner.report import PARTS
 from training.tuner.tune import TuneResult
-from training.tuner.estimates import NcclAllowance, all_tokens, analytic_shard_bytes, nccl_allowance, rank_tokens
-
+from utils.config.schema import ALL_DISTINCT, Config
 
 # the tracker's categories (their names in torch.distributed._tools) in each of the report's PARTS
 _PART_OF = {"Sharded Param": "parameters", "Parameter": "parameters", "Buffer": "parameters",

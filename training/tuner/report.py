@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils.core.files import write_atomic, write_text_atomic
 from training.monitor.memory import GIB
 from training.tuner.search import OBJECTIVES, Trial, fmt
+from utils.core.files import write_atomic, write_text_atomic
 
 MIB = 2**20
 

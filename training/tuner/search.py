@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from distributed.world import World, all_reduce
-from utils.core.errors import UserError
 from training.monitor.memory import GIB
+from utils.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

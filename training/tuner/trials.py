@@ -18,7 +18,6 @@ marked OOM; ``torchrun --max-restarts N`` does so by itself.
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import gc
 import json
@@ -33,17 +32,17 @@ import torch
 
 from distributed.simulate import is_simulated
 from distributed.world import World, broadcast_from_main
+from training.loop.rollout import max_rollout_steps
+from training.loop.step import build_training_step, set_attention_backend
+from training.monitor.flops import peak_flops, vit_flops_per_sample
+from training.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
+from training.tuner.search import Trial
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
 from utils.core.errors import OutOfMemory
 from utils.core.files import open_append, read_jsonl, write_text_atomic
 from utils.data.loaders import build_data
-from training.monitor.flops import peak_flops, vit_flops_per_sample
-from training.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
 from utils.precision.amp import AMP_DTYPES
-from training.loop.rollout import max_rollout_steps
-from training.loop.step import build_training_step, set_attention_backend
-from training.tuner.search import Trial
 
 log = logging.getLogger(__name__)
 

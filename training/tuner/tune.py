@@ -12,15 +12,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from distributed.world import World
+from training.tuner.report import plot, report_table, save_json
+from training.tuner.search import OBJECTIVES, Trial, choice_args, choose, combine, scaled_iterations, search
+from training.tuner.trials import BatchTrials, Journal
 from utils.config.schema import Config, TuneConfig
 from utils.config.types import AUTO
 from utils.config.validate import batch_sizes
 from utils.core.errors import UserError
 from utils.core.files import read_bounded
 from utils.data.dataset import ERA5Dataset
-from training.tuner.report import plot, report_table, save_json
-from training.tuner.search import OBJECTIVES, Trial, choice_args, choose, combine, scaled_iterations, search
-from training.tuner.trials import BatchTrials, Journal
 
 TUNE_FILE = "tune_batch_size.json"  # the tuner's JSON; also in the run directory of --local_batch_size auto
 

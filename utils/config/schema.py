@@ -16,10 +16,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL, Check,
+                                KeySpec, key, plain)
 from utils.precision.fp8_advice import help_note
-from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL,
-                                Check, KeySpec, key, plain)
-
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 

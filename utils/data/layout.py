@@ -33,7 +33,6 @@ from pathlib import Path
 
 from utils.core.errors import UserError, one_line
 
-
 # dataset and attribute names of one .h5 file
 FIELDS = "fields"
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from utils.core.errors import UserError, one_line
 from utils.core.files import check_replaceable
-from utils.data.layout import CLIMATOLOGY, FIELDS, STATS, TRAIN, InputNotFoundError, LayoutError, split_files
 from utils.data.climatology import WINDOW_DAYS, days_in_year, hour_of_day
+from utils.data.layout import CLIMATOLOGY, FIELDS, STATS, TRAIN, InputNotFoundError, LayoutError, split_files
 from utils.data.metadata import read_metadata, read_time_axis
 
 ACCUMULATOR_BYTES = 4 << 30  # the data tools accumulate a climatology in one pass up to this size

@@ -17,7 +17,6 @@ cftime names it in attribute ``calendar`` (also for standard calendars) next to 
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 from typing import Sequence
 
@@ -26,11 +25,11 @@ import numpy as np
 from utils.core.errors import one_line
 from utils.data import layout
 from utils.data.layout import LayoutError
-from utils.preprocess.formats import open_input
 from utils.preprocess.climatology_builder import ClimatologyAccumulator, climatology_fits
-from utils.preprocess.convert_plan import MEMBER_DIM, Channel, OutputFile, Plan, make_plan, parse_select, run_lengths  # noqa: F401
+from utils.preprocess.convert_plan import (MEMBER_DIM, Channel, OutputFile, Plan, make_plan, parse_select,  # noqa: F401
+                                           run_lengths)
+from utils.preprocess.formats import open_input
 from utils.preprocess.writer import FieldFileWriter, StatsAccumulator, format_stats
-
 
 BLOCK_BYTES = 256 * 2 ** 20  # bytes of float32 output read per block
 

@@ -19,7 +19,6 @@ from utils.data import layout
 from utils.data.layout import LayoutError
 from utils.data.timestep import TimeStep, infer_time_step
 
-
 LEVEL_DIMS = ("isobaricInhPa", "level", "pressure_level")
 
 

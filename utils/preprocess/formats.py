@@ -19,7 +19,6 @@ from pathlib import Path
 from utils.core.errors import one_line
 from utils.data.layout import InputNotFoundError, LayoutError
 
-
 GRIB_SUFFIXES = (".grib", ".grb", ".grib1", ".grib2", ".grb1", ".grb2")
 
 
