@@ -105,3 +105,35 @@ def test_find_run_agrees_with_open_run_dir(tmp_path):
     cfg = command(tmp_path, num_iters=900)
     with pytest.raises(UserError, match="2 runs of config tiny"):
         find_run(cfg.logging, "auto", "tiny", 1, cfg.flat(), cuda=False)
+
+
+@pytest.mark.parametrize("planted_at", ["run", "checkpoints"])
+@pytest.mark.parametrize("run_num", ["auto", "00"])
+def test_a_run_folder_that_is_a_link_is_never_followed(tmp_path, planted_at, run_num):
+    """A run directory or its checkpoints/ planted as a link (to a folder elsewhere) is refused in one line naming
+    it, whether the command finds the run or names it; nothing is written where the link points."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = fake_run(tmp_path, "00", "preempted", 40)
+    if planted_at == "run":
+        (elsewhere / "run.json").write_text(run.joinpath("run.json").read_text())
+        (elsewhere / "checkpoints").mkdir()
+        (elsewhere / "checkpoints" / "latest").write_text("step_00000040")
+        for f in (run / "checkpoints" / "latest", run / "run.json"):
+            f.unlink()
+        (run / "checkpoints").rmdir()
+        run.rmdir()
+        run.symlink_to(elsewhere, target_is_directory=True)
+        link = run
+    else:
+        for f in (run / "checkpoints").iterdir():
+            f.unlink()
+        (run / "checkpoints").rmdir()
+        (run / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+        link = run / "checkpoints"
+    before = sorted(p.name for p in elsewhere.rglob("*"))
+    with pytest.raises(UserError) as err:
+        open_for(tmp_path, run_num=run_num)
+    message = str(err.value)
+    assert str(link) in message and "a symbolic link" in message and "\n" not in message, message
+    assert sorted(p.name for p in elsewhere.rglob("*")) == before and link.is_symlink()

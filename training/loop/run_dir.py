@@ -23,6 +23,7 @@ from training.monitor.reporter import mark_if_dead, now, read_run_record
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
+from utils.core.files import check_own_folder
 from utils.core.lock import LOCK_FILE, DirectoryLock, Held, is_held, owner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,6 +202,8 @@ def _take(path: Path, resume: str, flat_config: dict, explicit: bool) -> RunDir:
     Raises:
         Held: ``path`` is in use (not ``explicit``); as :func:`open_run_dir` otherwise.
     """
+    for folder in (path, path / "checkpoints"):  # ours to make: never a link to somewhere else
+        check_own_folder(folder)
     try:
         lock = DirectoryLock(path).acquire()
     except Held as held:

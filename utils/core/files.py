@@ -159,6 +159,23 @@ def open_append(path: str | Path) -> int:
     return open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
+def check_own_folder(path: str | Path) -> None:
+    """Check that ``path``, a folder this program makes (a run directory, its ``checkpoints/``), is a real folder
+    or absent: a symbolic link planted there would send every file of the run, each opened without following
+    links, through the folder it points at.
+
+    Raises:
+        NotOurs: ``path`` is a link, a FIFO, a device or a file.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise NotOurs(f"{path} is {_kind(mode)}, not a folder this program made: it is never followed; remove it "
+                      "(or pass another --run_num / --expdir)")
+
+
 def check_replaceable(path: Path, overwrite: bool = True) -> None:
     """Check that :func:`write_atomic` may put a file at ``path``: nothing there, or (``overwrite``) a regular
     file. Called before anything is written, so a refused output leaves nothing behind. Checked by name
