@@ -11,6 +11,8 @@ Times, for local batch B, N tokens, H heads of head dim D (default: the ``short`
 - cuDNN's FP8 attention (cudnn-frontend ``sdpa_fp8``: e4m3 q, k, v and output, per-tensor scales):
   forward time, and whether cuDNN builds the FP8 backward for this head dim (on Hopper it declines
   unless D = 128);
+- where it builds, our fp8 attention on the packed QKV (``kernels/cudnn_fp8_attention.py``, what
+  ``--amp_mode fp8`` runs), forward and forward+backward, with its relative L2 error against cuDNN bf16;
 - the block's four GEMMs (QKV, output projection, MLP in and out) in bf16 and in FP8 (``torch._scaled_mm``,
   e4m3, per-tensor scales), forward shape only.
 Each time is the mean of ``--iters`` calls after 3 warm-ups. Prints a table and saves JSON.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, table  # noqa: E402
 from kernels.cudnn_attention import packed_attention  # noqa: E402
+from kernels.cudnn_fp8_attention import fp8_attention_unsupported, fp8_packed_attention  # noqa: E402
 from utils.core.errors import ArgumentParser  # noqa: E402
 
 COLUMNS = [("kernel", "kernel", "s"), ("fwd ms", "fwd_ms", ".3f"), ("fwd+bwd ms", "fwd_bwd_ms", ".3f"),
@@ -192,6 +195,13 @@ def main() -> int:
     rows.append(ref_row)
     rows.append(attention_row("sdpa_flash", sdpa_with(SDPBackend.FLASH_ATTENTION), qkv, grad, args.iters, ref)[0])
     rows.append(attention_row("cudnn_packed", packed_attention, qkv, grad, args.iters, ref)[0])
+    why_not = fp8_attention_unsupported(qkv.device, d)
+    if why_not is None:
+        row, result = attention_row("cudnn_fp8_packed", fp8_packed_attention, qkv, grad, args.iters, ref)
+        errors = [((a.float() - r.float()).norm() / r.float().norm()).item() for a, r in zip(result, ref)]
+        rows.append(dict(row, note=f"relative error: output {errors[0]:.3f}, gradient {errors[1]:.3f}"))
+    else:
+        rows.append({"kernel": "cudnn_fp8_packed", "note": f"not run: {why_not}"})
     for row in fp8_attention_rows(b, n, h, d, args.iters) + gemm_rows(b * n, h * d, int(h * d * args.mlp_ratio),
                                                                        args.iters):
         rows.append(row)

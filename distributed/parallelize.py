@@ -20,7 +20,9 @@ their meshes; the GradScaler's inf check over the DTensor's mesh).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 from functools import partial
 
 import torch
@@ -38,9 +40,12 @@ from distributed.simulate import is_simulated
 from distributed.tensor_parallel import apply_tensor_context_parallel
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
+from kernels.cudnn_fp8_attention import fp8_attention_unsupported, fp8_packed_attention
 from utils.config.schema import ParallelConfig, PrecisionConfig
 from utils.precision.amp import AMP_DTYPES, apply_bf16_residual
 from utils.precision.float8 import apply_float8
+
+log = logging.getLogger(__name__)
 
 # Op-level selective checkpointing: keep the outputs of matmuls and attention (expensive to
 # recompute), recompute the cheap pointwise and normalization ops (most of the activation bytes).
@@ -54,14 +59,26 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.era5vit.cudnn_packed_attention.default,
+    torch.ops.era5vit.cudnn_fp8_attention.default,
 }
+
+
+# The amax reductions behind float8 scales (torchao: ``max`` tensorwise, ``amax`` rowwise): a scalar or a column
+# each, but each reads a whole activation or weight; saving them keeps full checkpointing from recomputing them
+# (torchtitan's selective policy saves ``max`` for the same reason)
+_SCALE_OPS = {torch.ops.aten.max.default, torch.ops.aten.amax.default}
 
 
 def _op_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, blocks: int = 0) -> None:
+def _scale_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SCALE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, blocks: int = 0,
+                                   save_scales: bool = False) -> None:
     """Wrap ``model.blocks`` for activation checkpointing (in place).
 
     ``mode``: ``full`` recomputes every block in backward. ``selective`` with ``blocks=n > 0``
@@ -70,13 +87,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
     the matmul/attention outputs of every block and recomputes the rest
     (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 
+    With ``save_scales`` (float8 training) a recomputed block keeps the amax reductions of its float8 scales
+    from the forward instead of recomputing them.
+
     ``blocks`` must not exceed the depth (``utils.config.validate.validate`` checks it).
     """
     if mode == "none":
         return
+    whole = {"context_fn": partial(create_selective_checkpoint_contexts, _scale_policy)} if save_scales else {}
     for i, block in enumerate(model.blocks):
         if mode == "full" or (blocks > 0 and i < blocks) or (blocks == 0 and every > 0 and i % every == 0):
-            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, **whole)
         elif blocks == 0 and every == 0:
             model.blocks[i] = checkpoint_wrapper(
                 block, preserve_rng_state=False,
@@ -88,6 +109,35 @@ def apply_packed_attention(model: nn.Module) -> None:
     it reads q, k, v where the QKV projection wrote them and writes their gradients into one buffer."""
     for block in model.blocks:
         block.attn.attend = packed_attention
+
+
+def fp8_attention_fallback(model: nn.Module, precision: PrecisionConfig, world: World) -> str | None:
+    """Under ``--amp_mode fp8``: None when attention runs in fp8 (``kernels/cudnn_fp8_attention.py``), else why
+    bf16 attention runs instead (one phrase for the startup line)."""
+    if not precision.fp8_attention:
+        return "--fp8_attention false"
+    if world.model_parallel:
+        return "tensor and context parallel attention have kernels of their own"
+    if precision.attention_backend not in ("auto", "cudnn", "cudnn_packed"):
+        return f"--attention_backend {precision.attention_backend} was chosen"
+    return fp8_attention_unsupported(world.device, model.blocks[0].attn.head_dim)
+
+
+def apply_fp8_attention(model: nn.Module, precision: PrecisionConfig, world: World) -> None:
+    """Run every block's attention in fp8 where :func:`fp8_attention_fallback` allows; rank 0 logs which
+    attention runs, once per process and reason (the batch tuner builds a model per trial)."""
+    reason = fp8_attention_fallback(model, precision, world)
+    if reason is None:
+        for block in model.blocks:
+            block.attn.attend = fp8_packed_attention
+    if world.is_main:
+        _log_fp8_attention(reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fp8_attention(reason: str | None) -> None:
+    log.info("fp8 attention: cuDNN, e4m3 q, k, v and output, e5m2 gradients" if reason is None else
+             f"fp8 attention off, bf16 attention instead: {reason}")
 
 
 def data_parallel_mesh(parallel: ParallelConfig, world: World):
@@ -187,10 +237,12 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
         apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"))
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
+    if precision.amp_mode == "fp8":
+        apply_fp8_attention(model, precision, world)
     if precision.amp_mode == "bf16_pure":
         apply_bf16_residual(model)
     apply_activation_checkpointing(model, precision.activation_checkpointing, precision.ac_every,
-                                   precision.ac_blocks)
+                                   precision.ac_blocks, save_scales=precision.amp_mode == "fp8")
     if precision.enable_jit:
         if precision.compile_pdl:
             enable_programmatic_dependent_launch()

@@ -40,17 +40,17 @@ class _Graphs:
     b: dict  # name -> backward graph tensor
 
 
-def _strides(n: int, h: int, d: int) -> tuple[tuple, tuple]:
+def attention_strides(n: int, h: int, d: int) -> tuple[tuple, tuple]:
     """Strides of q/k/v viewed as (B, H, N, D) inside a packed (B, N, 3, H, D) buffer, and of a (B, N, H, D)
     buffer viewed as (B, H, N, D)."""
     return (n * 3 * h * d, d, 3 * h * d, 1), (n * h * d, d, h * d, 1)
 
 
-def _finish(graph) -> None:
+def build_graph(graph) -> None:
     try:
         graph.validate()
         graph.build_operation_graph()
-        graph.create_execution_plans([_cudnn().heur_mode.A, _cudnn().heur_mode.FALLBACK])
+        graph.create_execution_plans([cudnn_module().heur_mode.A, cudnn_module().heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
     except Exception as e:  # cudnn-frontend's error types share no base class with torch's
@@ -58,25 +58,25 @@ def _finish(graph) -> None:
 
 
 @lru_cache(maxsize=None)
-def _cudnn():
+def cudnn_module():
     import cudnn
     return cudnn
 
 
 @lru_cache(maxsize=None)
-def _handle(device_index: int):
+def cudnn_handle(device_index: int):
     with torch.cuda.device(device_index):
-        return _cudnn().create_handle()
+        return cudnn_module().create_handle()
 
 
 @lru_cache(maxsize=None)
 def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: int) -> _Graphs:
     """Build (once per shape, dtype and device) the forward and backward cuDNN SDPA graphs."""
-    cudnn = _cudnn()
+    cudnn = cudnn_module()
     io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
     f32 = cudnn.data_type.FLOAT
-    handle = _handle(device_index)
-    packed, dense = _strides(n, h, d)
+    handle = cudnn_handle(device_index)
+    packed, dense = attention_strides(n, h, d)
     dims, scale = (b, h, n, d), 1.0 / math.sqrt(d)
 
     def graph():
@@ -88,7 +88,7 @@ def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: in
                                   use_causal_mask=False)
     f["o"].set_output(True).set_dim(dims).set_stride(dense).set_data_type(io)
     f["stats"].set_output(True).set_dim((b, h, n, 1)).set_stride((h * n, n, 1, 1)).set_data_type(f32)
-    _finish(fwd)
+    build_graph(fwd)
 
     bwd = graph()
     g = {name: bwd.tensor(name=name, dim=dims, stride=packed, data_type=io) for name in "qkv"}
@@ -99,18 +99,18 @@ def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: in
                                                   stats=g["stats"], attn_scale=scale, use_causal_mask=False)
     for name in ("dq", "dk", "dv"):
         g[name].set_output(True).set_dim(dims).set_stride(packed).set_data_type(io)
-    _finish(bwd)
+    build_graph(bwd)
     return _Graphs(handle, fwd, bwd, f, g)
 
 
-def _views(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def packed_views(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k, v as (B, H, N, D) views of a packed (B, N, 3, H, D) tensor."""
     return tuple(packed[:, :, i].transpose(1, 2) for i in range(3))
 
 
-def _execute(graph, handle, pack: dict, device: torch.device) -> None:
+def execute_graph(graph, handle, pack: dict, device: torch.device) -> None:
     # cuDNN runs on the handle's stream: follow the caller's current stream (compile, NCCL overlap)
-    _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+    cudnn_module().set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
     workspace = torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8)
     graph.execute(pack, workspace, handle=handle)
 
@@ -121,8 +121,8 @@ def _forward(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gr = _graphs(b, n, h, d, qkv.dtype, qkv.device.index)
     out = qkv.new_empty(b, n, h, d)
     stats = qkv.new_empty(b, h, n, 1, dtype=torch.float32)
-    q, k, v = _views(qkv)
-    _execute(gr.fwd, gr.handle, {gr.f["q"]: q, gr.f["k"]: k, gr.f["v"]: v, gr.f["o"]: out.transpose(1, 2),
+    q, k, v = packed_views(qkv)
+    execute_graph(gr.fwd, gr.handle, {gr.f["q"]: q, gr.f["k"]: k, gr.f["v"]: v, gr.f["o"]: out.transpose(1, 2),
                                  gr.f["stats"]: stats}, qkv.device)
     return out, stats
 
@@ -138,9 +138,9 @@ def _backward(qkv: torch.Tensor, out: torch.Tensor, stats: torch.Tensor, grad_ou
     b, n, _, h, d = qkv.shape
     gr = _graphs(b, n, h, d, qkv.dtype, qkv.device.index)
     grad_qkv = torch.empty_like(qkv)
-    q, k, v = _views(qkv)
-    dq, dk, dv = _views(grad_qkv)
-    _execute(gr.bwd, gr.handle, {gr.b["q"]: q, gr.b["k"]: k, gr.b["v"]: v, gr.b["o"]: out.transpose(1, 2),
+    q, k, v = packed_views(qkv)
+    dq, dk, dv = packed_views(grad_qkv)
+    execute_graph(gr.bwd, gr.handle, {gr.b["q"]: q, gr.b["k"]: k, gr.b["v"]: v, gr.b["o"]: out.transpose(1, 2),
                                  gr.b["do"]: grad_out.transpose(1, 2), gr.b["stats"]: stats,
                                  gr.b["dq"]: dq, gr.b["dk"]: dk, gr.b["dv"]: dv}, qkv.device)
     return grad_qkv

@@ -99,6 +99,43 @@ def test_forward_and_backward_track_the_bf16_model(recipe):
         assert relative_error(p.grad, want[name].grad) < (0.25 if name.startswith("blocks.") else 0.03), name
 
 
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_full_checkpointing_keeps_the_float8_amax_reductions(recipe):
+    """Full activation checkpointing under fp8 saves the amax reductions of the forward (a scalar or a column
+    each) instead of recomputing them: the backward runs fewer of them, and the gradients are bitwise those of
+    the plain full recompute."""
+    from distributed.parallelize import apply_activation_checkpointing
+    amax_ops = {torch.ops.aten.max.default, torch.ops.aten.amax.default}
+    torch.manual_seed(0)
+    base = tiny_vit().bfloat16()
+    apply_float8(base, fp8(recipe), fsdp=False)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 4, 32, 64, generator=g), torch.randn(2, 4, 32, 64, generator=g)
+    counts, grads = [], []
+    for save_scales in (False, True):
+        model = copy.deepcopy(base)
+        apply_activation_checkpointing(model, "full", 0, save_scales=save_scales)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = relative_l2_loss(model(x), y)
+        with _CountOps(amax_ops) as counter:
+            loss.backward()
+        counts.append(counter.count)
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert counts[1] < counts[0], counts
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
 @pytest.mark.parametrize("img_size,padded", [((32, 64), False), ((20, 36), True)])
 def test_gemms_are_padded_only_when_tokens_per_sample_are_not_a_multiple_of_16(img_size, padded):
     model = tiny_vit(img_size)  # 8 x 16 = 128 tokens per sample; 5 x 9 = 45

@@ -118,6 +118,8 @@ class PrecisionConfig:
                       "the weight-gradient GEMM in bf16")
     fp8_all_gather: bool = key(True, "fp8 under FSDP with the tensorwise recipe: all-gather weights in float8 (half "
                                      "the bytes of bf16); rowwise recipes gather bf16")
+    fp8_attention: bool = key(True, "fp8: attention in fp8 too (cuDNN; Hopper at head dim 128, the cudnn extra); "
+                                    "elsewhere bf16 attention, and the startup line says why")
     enable_fused: bool = key(False, "fused Adam kernel")
     enable_jit: bool = key(False, "torch.compile the model and the loss")
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = key(

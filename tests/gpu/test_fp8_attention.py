@@ -1,0 +1,88 @@
+"""FP8 attention (``kernels/cudnn_fp8_attention.py``) on a Hopper GPU: its output and gradients against fp32
+attention, compiled as one opaque op, and a fp8 run naming which attention it uses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.gpu.test_gpu import _last_record, _train_cli
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0)
+    or __import__("importlib").util.find_spec("cudnn") is None,
+    reason="needs a Hopper or newer GPU and cudnn-frontend")
+
+# Tolerances on the relative L2 error against fp32 attention of the same bf16 inputs. e4m3 keeps 3 mantissa
+# bits: each rounding is off by at most 2^-4 of the value, about 2^-4 / sqrt(3) = 3.6 % in RMS. The forward rounds
+# q, k, v, P and O: about sqrt(5) x 3.6 % = 8 % in RMS when nothing averages out, as in peaked attention (one key
+# per query: O is one rounded row of V, and q, k's rounding moves the sharp logits), hence 0.15; soft attention
+# averages the roundings over keys (measured 0.06, H100). The gradients add dO, dP and dQ/dK/dV in e5m2 (2 mantissa
+# bits: 7.2 % in RMS each) on top of the forward's operands: 0.2 (measured 0.10-0.14).
+FORWARD_TOLERANCE = 0.15
+GRADIENT_TOLERANCE = 0.2
+
+
+def _relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(x.float() - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def _reference(qkv: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = qkv.detach().float().requires_grad_()
+    q, k, v = x.permute(2, 0, 3, 1, 4)
+    out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    out.backward(grad.float())
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("b,n,h,sharpness", [(2, 4050, 8, 1.0), (2, 1000, 2, 1.0), (1, 4050, 4, 4.0)],
+                         ids=["mp-tokens", "uneven", "peaked"])
+def test_fp8_attention_matches_fp32_attention(b, n, h, sharpness):
+    """Within the stated tolerances, for soft and peaked attention (q scaled up: nearly one key per query)."""
+    from kernels.cudnn_fp8_attention import fp8_packed_attention
+    torch.manual_seed(0)
+    qkv = torch.randn(b, n, 3, h, 128, device="cuda")
+    qkv[:, :, 0] *= sharpness
+    qkv = qkv.bfloat16().requires_grad_()
+    grad = torch.randn(b, n, h, 128, device="cuda", dtype=torch.bfloat16) * 1e-3  # a small gradient, as in training
+    ref_out, ref_grad = _reference(qkv, grad)
+    out = fp8_packed_attention(qkv)
+    out.backward(grad)
+    fwd, bwd = _relative_error(out, ref_out), _relative_error(qkv.grad, ref_grad)
+    print(f"fp8 attention relative error: forward {fwd:.4f}, gradient {bwd:.4f}")
+    assert out.dtype == torch.bfloat16 and qkv.grad.dtype == torch.bfloat16
+    assert fwd < FORWARD_TOLERANCE and bwd < GRADIENT_TOLERANCE
+
+
+def test_fp8_attention_compiles_as_one_op():
+    from kernels.cudnn_fp8_attention import fp8_packed_attention
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 512, 3, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = fp8_packed_attention(qkv)
+    compiled = torch.compile(lambda x: fp8_packed_attention(x * 1.0), fullgraph=True)(qkv)
+    compiled.sum().backward()
+    # the same cuDNN kernel; the fused casts and reductions around it may round the last bit differently
+    torch.testing.assert_close(compiled, eager, rtol=0.02, atol=1e-3)
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+def test_fp8_run_names_its_attention_and_trains_like_bf16_attention(tiny_data, tmp_path):
+    """Head dim 128 (width 256, 2 heads) runs fp8 attention and says so; its loss after 30 steps is within 5 % of
+    the same run with bf16 attention. Head dim 16 falls back, and the line says why."""
+    pytest.importorskip("torchao")
+    wide = ["--amp_mode", "fp8", "--embed_dim", "256", "--num_heads", "2", "--num_iters", "30",
+            "--limit_nsamples", "240"]
+    losses = {}
+    for flag in ("true", "false"):
+        proc = _train_cli(tmp_path / flag, tiny_data, *wide, "--fp8_attention", flag)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses[flag] = _last_record(tmp_path / flag, 1)["loss/train"]
+        named = "fp8 attention: cuDNN" if flag == "true" else "fp8 attention off, bf16 attention instead: --fp8"
+        assert named in proc.stdout + proc.stderr
+    assert math.isfinite(losses["true"]) and abs(losses["true"] / losses["false"] - 1) < 0.05, losses
+    narrow = _train_cli(tmp_path / "narrow", tiny_data, "--amp_mode", "fp8")
+    assert narrow.returncode == 0, narrow.stderr[-3000:]
+    assert "bf16 attention instead: cuDNN builds no fp8 attention for head dim 16" in narrow.stdout + narrow.stderr
