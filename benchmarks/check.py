@@ -1,10 +1,11 @@
 r"""Regression guard: rerun the headline measurements on this GPU and compare them with its stored reference.
 
-Run by hand on one GPU, never in CI (it times real training). With data of the real shape:
+Run by hand on one GPU (two for ``tp``), never in CI (it times real training). With data of the real shape:
 
     python -m tools.make_synthetic_data --out /tmp/full --channels 20 --img_size 360 720 --train_years 4 \
         --valid_years 1 --steps_per_year 140 --workers 16 --overwrite
     python benchmarks/check.py --data_path /tmp/full --out $OUT/h100_check.json
+    python benchmarks/check.py --only tp --out $OUT/h100_check_tp.json   # on 2 GPUs; no data needed
 
 The measurements (``--only`` picks some), each a ``train.py`` run of two epochs of ``--config`` (default
 ``short_opt``; its second epoch is reported) or, for the checkpoint stall, ``benchmarks/checkpoint.py``:
@@ -13,7 +14,10 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
 * ``e2e``: end to end with the native loader (8 workers) on ``--data_path``, in the mode of the highest
   ceiling (the ceiling of the same precision): samples/s and its share of that ceiling;
 * ``fp8``: compute only with ``--amp_mode fp8``: samples/s and the ratio to the highest bf16 ceiling;
-* ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind).
+* ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind);
+* ``tp``: on 2 GPUs, ``mp`` with DDP and with tp 2 (the variants of ``benchmarks/multi_gpu.py --suite tp
+  --gpus_max 2``, run by its runner): both samples/s and tp 2's share of DDP's per-GPU rate (the tensor-parallel
+  overlap of docs/speed.md). With fewer GPUs it is skipped, and says so.
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
@@ -36,10 +40,15 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import multi_gpu  # noqa: E402
 from benchmarks.common import ROOT, Results, run_variant, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
 
-MEASUREMENTS = ("ceiling", "e2e", "fp8", "checkpoint")
+MEASUREMENTS = ("ceiling", "e2e", "fp8", "checkpoint", "tp")
+NEEDS_DATA = ("ceiling", "e2e", "fp8", "checkpoint")  # tp runs multi_gpu.py's synthetic batches
+TP_GPUS = 2
+TP_METRICS = {"mp_tp1_cp1": "mp DDP 2 GPUs samples/s", "mp_tp2_cp1": "mp tp 2 samples/s"}  # multi_gpu.py's names
+TP_SHARE = "mp tp 2 / DDP per GPU"
 SYNTHETIC = ["--data_loader_config", "synthetic"]
 NATIVE = ["--data_loader_config", "pytorch", "--num_data_workers", "8"]
 STALL_SLACK_S = 0.05  # a stall must grow by more than this too: short ones are timer noise
@@ -61,25 +70,31 @@ def lower_is_better(metric: str) -> bool:
 
 # ---------------------------------------------------------------- measuring
 class Measure:
-    """Runs the measurements: ``run(name, args, expdir)`` is :func:`benchmarks.common.run_variant` (a train.py
-    run; the row of its last epoch), ``checkpoint(args, out)`` runs ``benchmarks/checkpoint.py`` (its rows)."""
+    """Runs the measurements: ``run(name, args, expdir, launcher=..., entry=...)`` is
+    :func:`benchmarks.common.run_variant` (a train.py run; the row of its last epoch), ``checkpoint(args, out)``
+    runs ``benchmarks/checkpoint.py`` (its rows); ``gpus``: the GPUs this machine has."""
 
-    def __init__(self, args, extra: list[str], run: Callable = run_variant, checkpoint: Callable | None = None):
-        self.args, self.extra, self.run_fn = args, extra, run
+    def __init__(self, args, extra: list[str], run: Callable = run_variant, checkpoint: Callable | None = None,
+                 gpus: int = 1):
+        self.args, self.extra, self.run_fn, self.gpus = args, extra, run, gpus
         self.checkpoint_fn = checkpoint or run_checkpoint_benchmark
         self.rows: list[dict] = []
         self.metrics: dict[str, float] = {}
+        self.skipped: list[str] = []
+
+    def checked(self, name: str, row: dict) -> dict:
+        """Keep ``row`` (of measurement ``name``); raises UserError when its run failed."""
+        self.rows.append({"measurement": name, **row})
+        if row.get("returncode") != 0 or "samples_per_s" not in row:
+            raise UserError(f"the {row.get('variant', name)} run failed (exit status {row.get('returncode')}; its "
+                            f"output is in {self.args.out}): {' '.join(str(row.get('error', '')).split())[-300:]}")
+        return row
 
     def train(self, name: str, args: list[str]) -> dict:
         a = self.args
         common = ["--config", a.config, "--data_path", str(Path(a.data_path).absolute()), "--num_iters",
                   str(2 * a.steps_per_epoch), "--valid_every", "2", "--log_every", "1000"]
-        row = self.run_fn(name, common + args + self.extra, Path(a.expdir).absolute())
-        self.rows.append({"measurement": name, **row})
-        if row.get("returncode") != 0 or "samples_per_s" not in row:
-            raise UserError(f"the {name} run failed (exit status {row.get('returncode')}; its output is in "
-                            f"{a.out}): {' '.join(str(row.get('error', '')).split())[-300:]}")
-        return row
+        return self.checked(name, self.run_fn(name, common + args + self.extra, Path(a.expdir).absolute()))
 
     def ceilings(self) -> dict[str, float]:
         return {m: self.metrics[f"ceiling {m} samples/s"] for m in self.args.amp_modes
@@ -114,6 +129,25 @@ class Measure:
             if what not in rows:
                 raise UserError(f"benchmarks/checkpoint.py gave no row '{what}'")
             self.metrics[metric] = rows[what]["stall_s"]
+
+
+    def tp(self) -> None:
+        """``mp`` with DDP and with tp 2 on 2 GPUs, as ``multi_gpu.py --suite tp --gpus_max 2`` runs them (its
+        variants and runner): samples/s of each and tp 2's share of DDP's per-GPU rate."""
+        if self.gpus < TP_GPUS:
+            self.skipped.append(f"tp (it needs {TP_GPUS} GPUs, this machine has {self.gpus})")
+            print(f"[tp] skipped: it needs {TP_GPUS} GPUs, this machine has {self.gpus}", flush=True)
+            return
+        suite = argparse.Namespace(suite="tp", gpus_max=TP_GPUS, config="", steps=16, epochs=2, data_path="",
+                                   entry="train.py", extra=" ".join(self.extra),
+                                   expdir=str(Path(self.args.expdir).absolute() / "tp"))
+        rows: list[dict] = []
+        for name, n, args in multi_gpu.tp(suite):
+            if name in TP_METRICS:
+                row = multi_gpu.run(suite, rows, name, n, args, multi_gpu.validation_every(suite), self.run_fn)
+                self.metrics[TP_METRICS[name]] = self.checked("tp", row)["samples_per_s"]
+        ddp, tp2 = rows
+        self.metrics[TP_SHARE] = tp2["per_gpu"] / ddp["per_gpu"]
 
 
 def run_checkpoint_benchmark(args: list[str], folder: Path) -> list[dict]:
@@ -173,8 +207,8 @@ def read_reference(path: Path, device: str) -> dict[str, float] | None:
 # ---------------------------------------------------------------- command line
 def parser() -> ArgumentParser:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                        usage="%(prog)s --data_path DIR [options] [-- train.py arguments]")
-    ap.add_argument("--data_path", required=True, help="data of the real shape (see above)")
+                        usage="%(prog)s [--data_path DIR] [options] [-- train.py arguments]")
+    ap.add_argument("--data_path", help="data of the real shape (see above); not needed for --only tp")
     ap.add_argument("--config", default="short_opt")
     ap.add_argument("--amp_modes", nargs="+", default=["bf16", "bf16_pure"], choices=["bf16", "bf16_pure"],
                     help="bf16 modes whose compute ceiling is measured (default: bf16 bf16_pure)")
@@ -191,6 +225,11 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+def gpu_count() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
 def steps_per_epoch(config: str, extra: list[str]) -> int:
     """Optimizer steps of one epoch of ``config`` with ``extra`` (the runs' epoch length).
 
@@ -202,17 +241,22 @@ def steps_per_epoch(config: str, extra: list[str]) -> int:
     return max(1, (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size)
 
 
-def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | None = None) -> bool:
-    """Measure, compare, print and save; True when something regressed (see the module docstring)."""
+def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | None = None,
+         gpus: int | None = None) -> bool:
+    """Measure, compare, print and save; True when something regressed (see the module docstring). ``gpus``:
+    the GPUs to count on (default: those visible)."""
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser().parse_args(argv[:cut]), argv[cut + 1:]
-    if not Path(args.data_path).is_dir():
+    needs_data = [name for name in args.only if name in NEEDS_DATA]
+    if needs_data and args.data_path is None:
+        raise UserError(f"{', '.join(needs_data)} need --data_path (data of the real shape; see --help)")
+    if needs_data and not Path(args.data_path).is_dir():
         raise UserError(f"--data_path {args.data_path} is not a folder; generate data first (see --help)")
     args.steps_per_epoch = steps_per_epoch(args.config, extra)
     device = device_name()
     ref_path = Path(args.reference or ROOT / "benchmarks" / "results" / f"{gpu_slug(device)}_check.json")
     reference = read_reference(ref_path, device)  # before any run: a wrong reference wastes no GPU time
-    measure = Measure(args, extra, run, checkpoint)
+    measure = Measure(args, extra, run, checkpoint, gpu_count() if gpus is None else gpus)
     results = Results(Path(args.out), command=" ".join([sys.executable, __file__, *argv]), config=args.config,
                       amp_modes=args.amp_modes, reference_path=str(ref_path), metrics=measure.metrics)
     failed = []
@@ -227,7 +271,7 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
     finally:
         results.extend(measure.rows)
         rows = compare(measure.metrics, reference or {}, args.tolerance)
-        results.meta.update(comparison=rows, failed=failed)
+        results.meta.update(comparison=rows, failed=failed, skipped=measure.skipped)
         results.save()
     print(table(rows, [("metric", "metric", "s"), ("measured", "value", ".4g"), ("reference", "reference", ".4g"),
                        ("change", "change", "+.1%"), ("verdict", "verdict", "s")]))

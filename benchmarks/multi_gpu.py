@@ -7,7 +7,9 @@
     python benchmarks/multi_gpu.py --suite offload --gpus_max 2 --out benchmarks/results/offload.json
 
 Each variant is a ``train.py`` (or ``train_mp.py``) run of two epochs; the second epoch's samples/s,
-MFU and per-GPU memory (maximum over ranks) are reported. Prints a table and saves JSON.
+MFU and per-GPU memory (maximum over ranks) are reported. Prints a table and saves JSON. A suite too long
+for one sitting splits into several calls: ``--only`` picks variants by name, ``--steps`` shortens the
+epochs, and the vit2b search splits by ``--batches`` and ``--fsdp_prefetches``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -67,7 +70,8 @@ def vit2b_args(args, prefetch: int, bs: int) -> tuple:
 
 
 def tp(args) -> list[tuple]:
-    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest), local batch 16 per dp group.
+    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest; those that need more GPUs
+    than ``--gpus_max`` are left out), local batch 16 per dp group.
 
     With ``--data_path`` the native loader reads real (or generated) data, so the loss curves of the
     variants can be compared; without it, synthetic batches.
@@ -77,6 +81,8 @@ def tp(args) -> list[tuple]:
             if args.data_path else SYNTH)
     out = []
     for tp_size, cp_size in ((1, 1), (2, 1), (4, 1), (1, 2)):
+        if tp_size * cp_size > n:
+            continue
         dp = n // (tp_size * cp_size)
         out.append((f"mp_tp{tp_size}_cp{cp_size}", n,
                     ["--config", args.config or "mp", "--tensor_parallel", str(tp_size),
@@ -85,12 +91,24 @@ def tp(args) -> list[tuple]:
     return out
 
 
-def run(args, rows: Results, name: str, n: int, run_args: list[str], valid_every: int) -> dict:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+def torchrun(n: int) -> list[str]:
+    """The launcher of a variant on ``n`` GPUs of this node."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+
+
+def validation_every(args) -> int:
+    """tp validates every epoch (loss curves to compare); the other suites only at the end."""
+    return 1 if args.suite == "tp" else args.epochs
+
+
+def run(args, rows: Results, name: str, n: int, run_args: list[str], valid_every: int,
+        runner: Callable = run_variant) -> dict:
+    """Run one variant under torchrun with ``runner`` (:func:`benchmarks.common.run_variant`) and append its
+    row (with ``gpus`` and ``per_gpu`` samples/s) to ``rows``."""
     iters = args.epochs * (args.steps if args.suite != "scaling" else 32)
-    row = run_variant(name, run_args + ["--num_iters", str(iters), "--valid_every", str(valid_every),
-                                        "--log_every", "1000"] + args.extra.split(),
-                      Path(args.expdir), launcher=launcher, entry=args.entry)
+    row = runner(name, run_args + ["--num_iters", str(iters), "--valid_every", str(valid_every),
+                                   "--log_every", "1000"] + args.extra.split(),
+                 Path(args.expdir), launcher=torchrun(n), entry=args.entry)
     row["gpus"] = n
     if "samples_per_s" in row:
         row["per_gpu"] = row["samples_per_s"] / n
@@ -103,19 +121,23 @@ def fits(row: dict) -> bool:
     return row.get("returncode") == 0 and not any(e.get("alloc_retries") for e in row.get("curve", []))
 
 
-def vit2b(args, rows: Results) -> None:
+def vit2b(args, rows: Results, runner: Callable = run_variant) -> None:
     """``vit_2b`` with ZeRO-3 + full activation checkpointing: the largest local batch without cudaMalloc
-    retries for ``--fsdp_prefetch`` 1 (ascending through ``--batches``, stopping at the first batch that
-    retries or runs out of memory), then prefetch 0 and 2 at that batch (stepping down if they retry)."""
-    batches = sorted(map(int, args.batches.split(",")))
+    retries for the first of ``--fsdp_prefetches`` (default 1; ascending through ``--batches``, stopping at the
+    first batch that retries or runs out of memory), then the other depths (default 0 and 2) at that batch
+    (stepping down if they retry). In several calls: ``--batches 8,16,24 --fsdp_prefetches 1``, then
+    ``--batches 32,48 --fsdp_prefetches 1`` if 24 fit, then ``--batches B --fsdp_prefetches 0,2`` at the largest
+    batch B that fit."""
+    batches = sorted(args.batches)
+    first, *others = args.fsdp_prefetches
     best = None
     for bs in batches:
-        if not fits(run(args, rows, *vit2b_args(args, 1, bs), valid_every=args.epochs)):
+        if not fits(run(args, rows, *vit2b_args(args, first, bs), valid_every=args.epochs, runner=runner)):
             break
         best = bs
-    for prefetch in (0, 2):
+    for prefetch in others:
         for bs in [b for b in batches if best and b <= best][::-1]:
-            if fits(run(args, rows, *vit2b_args(args, prefetch, bs), valid_every=args.epochs)):
+            if fits(run(args, rows, *vit2b_args(args, prefetch, bs), valid_every=args.epochs, runner=runner)):
                 break
 
 
@@ -128,6 +150,11 @@ def compare(rows: list[dict], base: dict) -> None:
             r["reserved_cut"] = base["memory/peak_reserved"] / r["memory/peak_reserved"]
 
 
+def int_list(text: str) -> list[int]:
+    """``8,16,24`` -> ``[8, 16, 24]`` (an argparse type: a ValueError is its one-line error)."""
+    return [int(x) for x in text.split(",")]
+
+
 SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp, "offload": offload}
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("per GPU", "per_gpu", ".1f"),
            ("efficiency", "efficiency", ".1%"), ("MFU", "mfu", ".1%"),
@@ -137,32 +164,38 @@ COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), (
            ("valid loss", "loss/valid", ".4f"), ("wall s", "wall_s", ".0f")]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None, runner: Callable = run_variant) -> int:
+    """Run the suite (``argv``: the command line) with ``runner`` per variant, print its table, save its JSON."""
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=SUITES, required=True)
     ap.add_argument("--gpus", default="1,2,4", help="scaling: GPU counts")
     ap.add_argument("--gpus_max", type=int, default=4, help="GPUs for the other suites")
-    ap.add_argument("--batches", default="8,16,24,32,48,64", help="vit2b: candidate local batch sizes")
+    ap.add_argument("--batches", type=int_list, default="8,16,24,32,48,64", help="vit2b: candidate local batch sizes")
+    ap.add_argument("--fsdp_prefetches", type=int_list, default="1,0,2",
+                    help="vit2b: --fsdp_prefetch depths; the batch search runs with the first, the others at its result")
     ap.add_argument("--config", default="", help="config name (default: short / mp / vit_2b by suite)")
     ap.add_argument("--steps", type=int, default=16, help="steps per epoch")
     ap.add_argument("--local_batch", type=int, default=16, help="offload: local batch size")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--data_path", default="")
     ap.add_argument("--entry", default="train.py")
-    ap.add_argument("--only", default="", help="comma list of variant names to run (default: all)")
+    ap.add_argument("--only", default="", help="comma list of variant names to run (default: all; not vit2b)")
     ap.add_argument("--extra", default="")
     ap.add_argument("--expdir", default="/tmp/multi_gpu_runs")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    variants = [] if args.suite == "vit2b" else SUITES[args.suite](args)
+    only = [name for name in args.only.split(",") if name]
+    unknown = [name for name in only if name not in [v[0] for v in variants]]
+    if unknown:  # before any run: a typo would otherwise run nothing, silently
+        ap.error(f"--only {','.join(unknown)}: not a variant of --suite {args.suite} on these GPUs "
+                 f"(its variants: {', '.join(v[0] for v in variants) or 'none; vit2b searches by --batches'})")
     rows = Results(Path(args.out), suite=args.suite)
     if args.suite == "vit2b":
-        vit2b(args, rows)
-    else:
-        # tp: validate every epoch for loss curves; others only at the end
-        valid_every = 1 if args.suite == "tp" else args.epochs
-        for name, n, run_args in SUITES[args.suite](args):
-            if not args.only or name in args.only.split(","):
-                run(args, rows, name, n, run_args, valid_every)
+        vit2b(args, rows, runner)
+    for name, n, run_args in variants:
+        if not only or name in only:
+            run(args, rows, name, n, run_args, validation_every(args), runner)
     if args.suite == "scaling":
         base = next((r.get("per_gpu") for r in rows if r.get("gpus") == 1), None)
         for r in rows:

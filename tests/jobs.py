@@ -80,8 +80,9 @@ def reference_run(tmp_path_factory, data: Path, args: list[str], ranks: int):
     return wait
 
 
-def run_path(workdir: Path, ranks: int, num: str = "00") -> Path:
-    return workdir / "runs" / "tiny" / f"{ranks}CPU" / num
+def run_path(workdir: Path, ranks: int, num: str = "00", device: str = "CPU") -> Path:
+    """The run directory of a job of ``ranks`` processes on ``device`` (``CPU`` or ``GPU``)."""
+    return workdir / "runs" / "tiny" / f"{ranks}{device}" / num
 
 
 def final_state(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:

@@ -159,8 +159,8 @@ def fake_check_runs(speeds: dict[str, float], stalls: tuple[float, float]):
     """``run`` and ``checkpoint`` measurements for ``benchmarks/check.py``, recording the train.py arguments."""
     calls = []
 
-    def run(name, args, expdir):
-        calls.append((name, args))
+    def run(name, args, expdir, **launch):  # launch: multi_gpu.py's launcher (torchrun) and entry, for tp
+        calls.append((name, args, *launch.values()))
         return {"variant": name, "returncode": 0, "samples_per_s": speeds[name], "command": " ".join(args)}
 
     def checkpoint(args, folder):
@@ -180,7 +180,7 @@ def test_check_compares_with_the_reference_and_names_what_regressed(tiny_data, t
         "sync save stall s": 0.2, "async save stall s": 0.08}}))
     out = tmp_path / "check.json"
     regressed = main(["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(reference), "--out",
-                      str(out), "--", "--enable_jit", "false"], run=run, checkpoint=checkpoint)
+                      str(out), "--", "--enable_jit", "false"], run=run, checkpoint=checkpoint, gpus=1)
     assert regressed
     assert [name for name, _ in calls] == ["ceiling_bf16", "ceiling_bf16_pure", "e2e_bf16_pure", "fp8", "checkpoint"]
     for name, args in calls[:4]:  # two epochs of 64 steps (512 samples at global batch 8), the extra arguments last
@@ -261,8 +261,85 @@ def test_check_goes_on_after_a_failed_run_and_names_it(tiny_data, tmp_path):
     with pytest.raises(UserError, match=r"1 measurement\(s\) failed: fp8 \(the fp8 run failed \(exit status 2;.*"
                                         r"needs torchao\)"):
         main(["--data_path", str(tiny_data), "--config", "tiny", "--amp_modes", "bf16", "--reference",
-              str(tmp_path / "none.json"), "--out", str(out)], run=failing_fp8, checkpoint=checkpoint)
+              str(tmp_path / "none.json"), "--out", str(out)], run=failing_fp8, checkpoint=checkpoint, gpus=1)
     saved = json.loads(out.read_text())
     assert set(saved["metrics"]) == {"ceiling bf16 samples/s", "end to end bf16 samples/s", "end to end bf16 / ceiling",
                                      "sync save stall s", "async save stall s"}
     assert len(saved["failed"]) == 1 and calls[-1][0] == "checkpoint"
+
+
+def test_check_tp_compares_tp2s_share_of_ddp_on_two_gpus(tmp_path, capsys):
+    """--only tp runs multi_gpu.py's DDP and tp 2 variants of mp under torchrun on 2 GPUs (no data needed) and
+    guards tp 2's share of DDP's per-GPU rate against the reference's; on one GPU it is skipped and says so."""
+    from benchmarks.check import TP_METRICS, TP_SHARE, main
+    reference = tmp_path / "cpu_check.json"
+    reference.write_text(json.dumps({"device": "cpu", "metrics": {
+        "mp DDP 2 GPUs samples/s": 140.0, "mp tp 2 samples/s": 112.0, "mp tp 2 / DDP per GPU": 0.8}}))
+    common = ["--only", "tp", "--reference", str(reference), "--expdir", str(tmp_path / "runs")]
+    calls, run, _ = fake_check_runs({"mp_tp1_cp1": 141.0, "mp_tp2_cp1": 105.0}, (0, 0))
+    out = tmp_path / "tp.json"
+    assert main([*common, "--out", str(out), "--", "--enable_jit", "false"], run=run, gpus=2)
+    assert [call[0] for call in calls] == ["mp_tp1_cp1", "mp_tp2_cp1"]
+    for (_, args, launcher, entry), tp in zip(calls, ("1", "2")):
+        assert launcher[-2:] == ["--standalone", "--nproc_per_node=2"] and entry == "train.py"
+        assert " ".join(args).startswith(f"--config mp --tensor_parallel {tp} --context_parallel 1 --local_batch_size 16")
+        assert args[args.index("--num_iters") + 1] == "32" and args[-2:] == ["--enable_jit", "false"]
+        assert "--data_path" not in args and "--data_loader_config synthetic" in " ".join(args)
+    saved = json.loads(out.read_text())
+    assert saved["metrics"][TP_SHARE] == pytest.approx(105 / 141)  # per GPU: both on 2 GPUs
+    verdicts = {r["metric"]: r["verdict"] for r in saved["comparison"]}
+    assert verdicts == {"mp DDP 2 GPUs samples/s": "ok", "mp tp 2 samples/s": "REGRESSED",
+                        "mp tp 2 / DDP per GPU": "REGRESSED"}  # 0.745 is 6.9 % below 0.8
+    assert [r["measurement"] for r in saved["results"]] == ["tp", "tp"] and saved["skipped"] == []
+    # within a 10 % tolerance the same share passes
+    calls.clear()
+    assert not main([*common, "--out", str(out), "--tolerance", "0.1"], run=run, gpus=2)
+    # one GPU: skipped, said, nothing run
+    calls.clear()
+    capsys.readouterr()
+    assert not main([*common, "--out", str(out)], run=run, gpus=1)
+    assert calls == [] and "[tp] skipped: it needs 2 GPUs, this machine has 1" in capsys.readouterr().out
+    assert json.loads(out.read_text())["skipped"] == ["tp (it needs 2 GPUs, this machine has 1)"]
+    # the stored H100 reference holds every tp metric, so a real run is compared, not only reported as new
+    stored = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/results/h100_check.json").read_text())
+    assert {*TP_METRICS.values(), TP_SHARE} <= set(stored["metrics"])
+    assert stored["metrics"][TP_SHARE] == pytest.approx(0.799, abs=5e-4)
+
+
+def test_check_without_data_runs_only_tp(tmp_path):
+    from benchmarks.check import main
+    from utils.core.errors import UserError
+    with pytest.raises(UserError, match="^ceiling, fp8 need --data_path"):
+        main(["--only", "ceiling", "fp8", "tp", "--out", str(tmp_path / "x.json")], gpus=2)
+
+
+def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
+    """tp on 2 GPUs leaves out tp 4; --only picks variants by name (an unknown one is a one-line error before
+    any run); vit2b's batch search splits by --batches and --fsdp_prefetches."""
+    from benchmarks.multi_gpu import main
+    calls = []
+
+    def run(name, args, expdir, launcher, entry):  # batches up to 24 fit; 32 has cudaMalloc retries
+        calls.append((name, launcher[-1]))
+        bs = int(args[args.index("--local_batch_size") + 1])
+        return {"variant": name, "returncode": 0, "samples_per_s": 10.0,
+                "curve": [{"alloc_retries": int(bs > 24)}]}
+    out = ["--out", str(tmp_path / "r.json"), "--gpus_max", "2"]
+    assert main(["--suite", "tp", *out], runner=run) == 0
+    assert calls == [("mp_tp1_cp1", "--nproc_per_node=2"), ("mp_tp2_cp1", "--nproc_per_node=2"),
+                     ("mp_tp1_cp2", "--nproc_per_node=2")]
+    calls.clear()
+    assert main(["--suite", "fsdp", "--only", "mp_zero3_ac,mp_ddp", *out], runner=run) == 0
+    assert [name for name, _ in calls] == ["mp_ddp", "mp_zero3_ac"]  # the suite's order
+    with pytest.raises(SystemExit) as exit_:
+        main(["--suite", "tp", "--only", "mp_tp4_cp1", *out], runner=run)
+    assert exit_.value.code == 2 and "--only mp_tp4_cp1: not a variant of --suite tp" in capsys.readouterr().err
+    calls.clear()
+    assert main(["--suite", "vit2b", "--batches", "8,16,24,32,48", *out], runner=run) == 0  # one call
+    one_call = [name for name, _ in calls]
+    assert one_call == ["vit2b_pf1_bs8", "vit2b_pf1_bs16", "vit2b_pf1_bs24", "vit2b_pf1_bs32",
+                        "vit2b_pf0_bs24", "vit2b_pf2_bs24"]
+    calls.clear()
+    for batches, prefetches in (("8,16", "1"), ("24,32", "1"), ("24", "0,2")):  # three calls, the same runs
+        main(["--suite", "vit2b", "--batches", batches, "--fsdp_prefetches", prefetches, *out], runner=run)
+    assert [name for name, _ in calls] == one_call
