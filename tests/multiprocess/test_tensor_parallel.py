@@ -196,8 +196,9 @@ def _mappings_worker(rank, world):
     for tag, group in [("world4", dist.group.WORLD), ("tp", tp_mesh.get_group()), ("cp", cp), ("none", None)]:
         for shape, dim in [((2, 4050, 3), 1), ((3, 7), -1), ((3, 2), 0)]:
             _check_mappings(group, shape, dim, f"{tag} {shape} dim={dim}")
-        # even, uneven (7 over 2: 4 + 3; over 4: 2, 2, 2, 1) and an empty rank (3 over 4: 1, 1, 1, 0)
-        for n in (8, 7, 3):
+        # even (chunked reduce-scatter: 16 over 2 is 4 pieces of 2 tokens), uneven (7 over 2: 4 + 3; over 4:
+        # 2, 2, 2, 1) and an empty rank (3 over 4: 1, 1, 1, 0)
+        for n in (16, 8, 7, 3):
             _check_sequence_parallel_linears(group, n, f"{tag} {n} tokens")
     # 4050 tokens over 4 ranks -> [1013, 1013, 1013, 1011]; the gathered result keeps that order
     local = torch.full((1, compute_split_shapes(4050, 4)[rank], 2), float(rank))
