@@ -333,8 +333,9 @@ class DistributedPatchEmbed(nn.Module):
 
     ``(B, C, H, W)`` (the full image, the same on every rank) -> ``(B, n_r, D)``, the tokens
     ``[offset, offset + n_r)`` of the row-major ``N = (H/p)(W/p)`` patches. Only the patch rows covering those
-    tokens are embedded, so the cost is ``~1/cp`` of the dense one. ``proj`` keeps the dense parameter names
-    (``patch_embed.proj.weight``/``bias``), replicated over TP.
+    tokens are embedded, so the cost is ``~1/cp`` of the dense one (``~1/(cp tp)`` under sequence
+    parallelism). ``proj`` keeps the dense parameter names (``patch_embed.proj.weight``/``bias``), replicated
+    over TP.
 
     The tokens are split over CP (``seq_shapes``) and, with ``sequence_parallel``, the CP rank's chunk further
     over TP (``tp_shapes``, each ``compute_split_shapes``; otherwise ``tp_shapes == [n_cp]``): TP rank ``t`` of

@@ -24,7 +24,9 @@ a contiguous block of tokens: viewing the ``N = P n`` rows as ``(P, n, ...)``, p
 ``[o_j, o_j + s_j)`` of every rank's block, a ``P``-strided view whose product with ``W_r^T`` (a batched GEMM,
 no copy) is the ``(P, s_j, ...)`` a reduce-scatter cuts into rank ``r``'s ``s_j`` tokens. That needs an even
 split; an uneven one is reduce-scattered in one piece. The all-gathers (forward of the column-parallel
-linear, backward of the row-parallel one) are not overlapped, as in Megatron-LM without userbuffers.
+linear, backward of the row-parallel one) are not overlapped, as in Megatron-LM without userbuffers. The
+column-parallel linear keeps its gathered input for the weight gradient, as the replicated input was kept
+without sequence parallelism (Megatron-LM gathers it again in backward instead, to save that memory).
 
 With one rank (``group`` None or of size 1) both are ``F.linear``. Tensors keep their dtype and device; the
 input, weight and bias must share one dtype (cast them first under autocast).
