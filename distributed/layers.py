@@ -12,7 +12,8 @@ the sequence as in Llama 3's context parallelism):
   splits the CP rank's tokens over TP as well outside the GEMM regions: the residual stream, LayerNorms,
   patch embedding and head hold ``seq_shapes[r]`` tokens on TP rank ``r``; ``qkv``/``fc1`` all-gather them
   and ``proj``/``fc2`` reduce-scatter back (instead of all-reducing). Inside the attention and MLP the tokens
-  are then dim 0 (``(n, B, features)``), where those collectives cut contiguous blocks. A replicated parameter
+  are then dim 0 (``(n, B, features)``), where those collectives cut contiguous blocks, in the piece-major
+  order of the overlapped collectives (attention and MLP do not depend on the order). A replicated parameter
   is then used on different tokens by each TP rank, so its gradient is summed over TP in backward
   (:func:`replicated_param`).
 
@@ -257,8 +258,9 @@ class DistributedAttention(nn.Module):
     per-rank token counts are all-gathered each call (one tiny collective).
 
     ``seq_shapes`` (sequence parallelism): input and output are ``(B, seq_shapes[r], D)``, this TP rank's share
-    of the CP rank's tokens; ``qkv`` all-gathers them over TP (q, k, v then ``(n_r, B, ...)``, sequence-first)
-    and ``proj`` reduce-scatters its output back.
+    of the CP rank's tokens; ``qkv`` all-gathers them over TP (q, k, v then hold the CP rank's tokens
+    sequence-first and piece-major, ``distributed/sequence_parallel.py``; softmax attention does not depend on
+    the order of the tokens) and ``proj`` reduce-scatters its output back.
 
     Raises:
         ValueError: fewer heads than TP ranks, or (in forward) a local token count that disagrees with

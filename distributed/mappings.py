@@ -24,7 +24,8 @@ The last two (``distributed/sequence_parallel.py``) are Megatron-LM's sequence p
 al. 2022): between the tensor-parallel GEMM regions each rank holds a chunk of the tokens, so the all-reduce
 of the row-parallel output becomes a reduce-scatter along the tokens and the column-parallel input is
 all-gathered along them (the same bytes as the all-reduce, split in two halves); the token-wise work between
-the regions (LayerNorms, residual adds) then runs on ``1/P`` of the tokens.
+the regions (LayerNorms, residual adds) then runs on ``1/P`` of the tokens. Their collectives run in pieces
+behind the GEMMs, which orders the tokens inside a region piece-major (that module's docstring).
 
 Two fused linears overlap their all-reduce with a GEMM: ``column_parallel_linear`` (``y_r = x W_r^T + b_r``
 after ``copy_to_parallel_region``) all-reduces ``dx`` in backward while ``dW_r``'s GEMM runs (as Megatron-LM's
