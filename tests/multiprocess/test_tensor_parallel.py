@@ -41,7 +41,8 @@ from distributed.mappings import (
 )
 from distributed.launch import LaunchEnv
 from distributed.parallelize import gradient_factor, parallelize_model
-from distributed.sequence_parallel import sequence_parallel_column_linear, sequence_parallel_row_linear
+from distributed.sequence_parallel import (region_pieces, sequence_parallel_column_linear,
+                                           sequence_parallel_row_linear)
 from distributed.tensor_parallel import apply_tensor_context_parallel, checkpoint_views
 from distributed.world import World, build_meshes, local_tensor
 from networks.vit import MLP, Attention, PatchEmbed, VisionTransformer
@@ -595,6 +596,14 @@ def test_compute_split_shapes():
         compute_split_shapes(4, 0)
     with pytest.raises(ValueError):
         compute_split_shapes(-1, 2)
+
+
+def test_region_pieces():
+    """A sequence-parallel region's piece-major token order: each rank's tokens cut in ``chunks`` pieces."""
+    assert region_pieces([5, 4], 2) == [[3, 2], [2, 2]]
+    assert region_pieces([2025, 2025], 4) == [[507, 507]] * 3 + [[504, 504]]  # mp's 4050 tokens over tp 2
+    assert region_pieces([2, 1, 0], 4) == [[1, 1, 0], [1, 0, 0]]  # pieces empty on every rank are dropped
+    assert sum(map(sum, region_pieces([1013, 1013, 1013, 1011], 4))) == 4050
 
 
 def test_single_process_identity_and_errors():
