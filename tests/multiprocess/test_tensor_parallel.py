@@ -634,3 +634,7 @@ def test_single_process_identity_and_errors():
         DistributedMatmul(weight, None, groups=3, gather_output=True)
     with pytest.raises(ValueError):
         DistributedMatmul(weight, None, parallel="column", input_is_parallel=False)
+    with pytest.raises(ValueError, match="seq_shapes"):
+        DistributedMatmul(weight, None, gather_output=True, seq_shapes=[3, 3])
+    with pytest.raises(ValueError, match="seq_shapes"):
+        DistributedMatmul(weight, None, parallel="row", input_is_parallel=False, seq_shapes=[3, 3])
