@@ -488,8 +488,11 @@ def _check_training(tag, tp, cp, img, heads, dtype, tol, steps, sp=True):
         out = model(x)
         _close(plain(x), out, tol, f"{tag} plain model from full_model_state_dict")
         # ... and a converted copy of that plain model predicts the same
+        other = apply_tensor_context_parallel(copy.deepcopy(plain), tp, cp, sequence_parallel=not sp)
         fresh = apply_tensor_context_parallel(plain, tp, cp, sequence_parallel=sp)
         assert torch.equal(fresh(x), out), f"{tag} converted from the loaded plain model"
+        # the same weights with sequence parallelism switched: the same predictions (sums in another order)
+        _close(other(x), out, tol, f"{tag} sequence_parallel={not sp} from the same weights")
 
 
 def _model_worker(rank, world):
