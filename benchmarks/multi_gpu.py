@@ -71,7 +71,8 @@ def vit2b_args(args, prefetch: int, bs: int) -> tuple:
 
 def tp(args) -> list[tuple]:
     """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest; those that need more GPUs
-    than ``--gpus_max`` are left out), local batch 16 per dp group.
+    than ``--gpus_max`` are left out), local batch 16 per dp group; tp 2 also without sequence parallelism
+    (``mp_tp2_cp1_nosp``).
 
     With ``--data_path`` the native loader reads real (or generated) data, so the loss curves of the
     variants can be compared; without it, synthetic batches.
@@ -80,14 +81,14 @@ def tp(args) -> list[tuple]:
     data = (["--data_path", args.data_path, "--data_loader_config", "pytorch", "--num_data_workers", "4"]
             if args.data_path else SYNTH)
     out = []
-    for tp_size, cp_size in ((1, 1), (2, 1), (4, 1), (1, 2)):
+    for tp_size, cp_size, sp in ((1, 1, True), (2, 1, True), (2, 1, False), (4, 1, True), (1, 2, True)):
         if tp_size * cp_size > n:
             continue
         dp = n // (tp_size * cp_size)
-        out.append((f"mp_tp{tp_size}_cp{cp_size}", n,
+        out.append((f"mp_tp{tp_size}_cp{cp_size}" + ("" if sp else "_nosp"), n,
                     ["--config", args.config or "mp", "--tensor_parallel", str(tp_size),
-                     "--context_parallel", str(cp_size), "--local_batch_size", "16",
-                     "--limit_nsamples", str(16 * dp * args.steps)] + OPT + data))
+                     "--context_parallel", str(cp_size), "--sequence_parallel", str(sp).lower(),
+                     "--local_batch_size", "16", "--limit_nsamples", str(16 * dp * args.steps)] + OPT + data))
     return out
 
 

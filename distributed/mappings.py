@@ -7,16 +7,25 @@ splits along any dimension).
 
 Notation for a group of ``P`` ranks, rank ``r`` holding ``x_r``:
 
-====================================================  ==============================  ===============================
-functional wrapper                                    forward                         backward (given ``dy``)
-====================================================  ==============================  ===============================
-``copy_to_parallel_region(x, g)``                     ``y_r = x``                     ``dx = sum_r dy_r``
-``reduce_from_parallel_region(x, g)``                 ``y = sum_r x_r``               ``dx_r = dy``
-``scatter_to_parallel_region(x, dim, g)``             ``y_r = chunk_r(x)``            ``dx = cat_r(dy_r)``
-``gather_from_parallel_region(x, dim, shapes, g)``    ``y = cat_r(x_r)``              ``dx_r = chunk_r(dy)``
-``gather_from_sequence_parallel_region(...)``         ``y = cat_r(x_r)``              ``dx_r = chunk_r(sum_q dy_q)``
-``reduce_scatter_to_sequence_parallel_region(...)``   ``y_r = chunk_r(sum_q x_q)``    ``dx = cat_r(dy_r)``
-====================================================  ==============================  ===============================
+=====================================================  ==================================  ==================================
+functional wrapper                                     forward                             backward (given ``dy``)
+=====================================================  ==================================  ==================================
+``copy_to_parallel_region(x, g)``                      ``y_r = x``                         ``dx = sum_r dy_r``
+``reduce_from_parallel_region(x, g)``                  ``y = sum_r x_r``                   ``dx_r = dy``
+``scatter_to_parallel_region(x, dim, g)``              ``y_r = chunk_r(x)``                ``dx = cat_r(dy_r)``
+``gather_from_parallel_region(x, dim, shapes, g)``     ``y = cat_r(x_r)``                  ``dx_r = chunk_r(dy)``
+``gather_from_sequence_parallel_region(...)``          ``y = cat_r(x_r)``                  ``dx_r = chunk_r(sum_q dy_q)``
+``reduce_scatter_to_sequence_parallel_region(...)``    ``y_r = chunk_r(sum_q x_q)``        ``dx = cat_r(dy_r)``
+``sequence_parallel_column_linear(x, W_r, b_r, ...)``  ``y_r = cat_q(x_q) W_r^T + b_r``    ``dx_r = chunk_r(sum_q dy_q W_q)``
+``sequence_parallel_row_linear(x, W_r, ...)``          ``y_r = chunk_r(sum_q x_q W_q^T)``  ``dx_r = cat_q(dy_q) W_r``
+=====================================================  ==================================  ==================================
+
+The last two (``distributed/sequence_parallel.py``) are Megatron-LM's sequence parallelism (Korthikanti et
+al. 2022): between the tensor-parallel GEMM regions each rank holds a chunk of the tokens, so the all-reduce
+of the row-parallel output becomes a reduce-scatter along the tokens and the column-parallel input is
+all-gathered along them (the same bytes as the all-reduce, split in two halves); the token-wise work between
+the regions (LayerNorms, residual adds) then runs on ``1/P`` of the tokens. Their collectives run in pieces
+behind the GEMMs, which orders the tokens inside a region piece-major (that module's docstring).
 
 Two fused linears overlap their all-reduce with a GEMM: ``column_parallel_linear`` (``y_r = x W_r^T + b_r``
 after ``copy_to_parallel_region``) all-reduces ``dx`` in backward while ``dW_r``'s GEMM runs (as Megatron-LM's
@@ -61,6 +70,7 @@ __all__ = [
     "row_parallel_linear",
     "all_gather_uneven",
     "reduce_scatter_uneven",
+    "stack_chunks",
     "split_along_dim",
 ]
 
@@ -189,19 +199,26 @@ def reduce_scatter_uneven(x: torch.Tensor, dim: int, shapes: Sequence[int] | Non
         raise ValueError(f"shapes {shapes} do not sum to the size {x.shape[dim]} of dim {dim}")
     xm = x.movedim(dim, 0)
     width = max(shapes)
-    if min(shapes) == width:  # already the concatenation of equal chunks
-        stacked = xm.contiguous()
-    else:
-        stacked = xm.new_zeros((n, width) + xm.shape[1:])
-        for r, chunk in enumerate(torch.split(xm, shapes, 0)):
-            stacked[r, : shapes[r]] = chunk
-        stacked = stacked.view((n * width,) + xm.shape[1:])
+    stacked = stack_chunks(xm, shapes)
     if _compiling():
         out = funcol.reduce_scatter_tensor(stacked, "sum", 0, group)
     else:
         out = xm.new_empty((width,) + xm.shape[1:])
         _REDUCE_SCATTER_SINGLE(out, stacked, group=group)
     return out[: shapes[group_rank(group)]].movedim(0, dim)
+
+
+def stack_chunks(x: torch.Tensor, shapes: Sequence[int]) -> torch.Tensor:
+    """``x`` ``(sum(shapes), ...)`` as ``len(shapes)`` chunks along dim 0, each zero-padded to ``max(shapes)``
+    rows: the ``(P * max(shapes), ...)`` input of an equal-size reduce-scatter (``x`` itself, made contiguous,
+    when the chunks are equal)."""
+    width = max(shapes)
+    if min(shapes) == width:  # already the concatenation of equal chunks
+        return x.contiguous()
+    stacked = x.new_zeros((len(shapes), width) + x.shape[1:])
+    for r, chunk in enumerate(torch.split(x, list(shapes), 0)):
+        stacked[r, : shapes[r]] = chunk
+    return stacked.view((len(shapes) * width,) + x.shape[1:])
 
 
 def _compiling() -> bool:

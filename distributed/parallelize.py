@@ -234,7 +234,8 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
     if precision.amp_mode == "fp8":
         apply_float8(model, precision, fsdp)
     if world.model_parallel:
-        apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"))
+        apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"),
+                                      parallel.sequence_parallel)
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
     if precision.amp_mode == "fp8":

@@ -3,7 +3,7 @@
 Usage in a training loop (``mesh`` built elsewhere with dims named ``tp``, ``cp``, ``dp``)::
 
     model = VisionTransformer(...)                       # same seed on every rank
-    apply_tensor_context_parallel(model, mesh["tp"], mesh["cp"].get_group())
+    apply_tensor_context_parallel(model, mesh["tp"], mesh["cp"].get_group())  # sequence parallel by default
     # data parallelism over the joint dp x cp mesh sums the CP parts of every gradient
     # (distributed/parallelize.py: FSDP or replicate; the step scales the loss gradient by cp)
     opt = torch.optim.AdamW(model.parameters())          # build AFTER the conversion
@@ -18,7 +18,12 @@ What changes (parameter names are kept, so optimizer and checkpoint code work; t
   all-gathered over CP; ``mlp``: column ``fc1``, row ``fc2``;
 * ``head`` runs on local tokens and the model's ``unpatchify`` hook first all-gathers the head outputs over
   CP (backward: each rank keeps its own tokens' gradient), so every parameter's CP-local gradient covers
-  exactly its tokens and summing over CP is exact.
+  exactly its tokens and summing over CP is exact;
+* with ``sequence_parallel`` (and ``tp > 1``) each CP rank's tokens are split over TP too from the patch
+  embedding to the head (Megatron-LM's sequence parallelism, ``distributed/sequence_parallel.py``): the
+  activations between the blocks are ``(B, n / (cp * tp), D)`` per rank, ``unpatchify`` gathers over TP and
+  then CP, and the gradients of the TP-replicated parameters (LayerNorms, row-parallel biases, patch and
+  position embeddings, head) are summed over TP in backward, so the gradient contract above is unchanged.
 
 Every parameter becomes a DTensor on the TP mesh (``tp_mesh`` None: plain tensors, context parallel
 alone). :func:`checkpoint_views` names the parameters held in another shape than the plain model's.
@@ -36,7 +41,7 @@ from torch.distributed.tensor import Replicate
 
 from distributed.layers import (DistributedAttention, DistributedLayerNorm, DistributedMLP, DistributedPatchEmbed,
                                 Groups, ReplicatedLinear, parallel_param, tp_group)
-from distributed.mappings import gather_from_parallel_region, group_size
+from distributed.mappings import gather_from_parallel_region, group_size, scatter_to_parallel_region
 from distributed.world import local_tensor
 from networks.vit import Attention, VisionTransformer
 
@@ -45,14 +50,17 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_f
 
 
 def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh | None,
-                                  cp_group: dist.ProcessGroup | None) -> VisionTransformer:
-    """Convert ``model`` in place to TP over ``tp_mesh`` and CP over ``cp_group``; returns it.
+                                  cp_group: dist.ProcessGroup | None,
+                                  sequence_parallel: bool = True) -> VisionTransformer:
+    """Convert ``model`` in place to TP over ``tp_mesh`` and CP over ``cp_group``, with sequence parallelism
+    over TP if ``sequence_parallel`` (ignored without TP); returns it.
 
     Every rank must hold the same dense model (same seed or loaded checkpoint): each rank keeps its TP shard
     of it, so the parallel run starts from exactly the single-process initialization. ``None`` (or one rank)
     disables that kind of parallelism. Build the optimizer afterwards (parameters are new tensors); apply data
     parallelism afterwards too. Heads are split over TP, the ``N`` tokens over CP, both by
-    ``compute_split_shapes`` (uneven allowed: 15 tokens over 2 CP ranks -> 8 + 7).
+    ``compute_split_shapes`` (uneven allowed: 15 tokens over 2 CP ranks -> 8 + 7), and under sequence
+    parallelism each CP rank's tokens over TP the same way.
 
     Raises:
         TypeError: ``model`` is not a ``VisionTransformer``.
@@ -69,30 +77,40 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
     for i, blk in enumerate(model.blocks):
         if blk.attn.num_heads < tp:
             raise ValueError(f"block {i} has {blk.attn.num_heads} heads, fewer than {tp} TP ranks")
-    model.patch_embed = DistributedPatchEmbed(model.patch_embed, tp_mesh, cp_group)
+    sp = sequence_parallel and tp > 1
+    model.patch_embed = DistributedPatchEmbed(model.patch_embed, tp_mesh, cp_group, sp)
     model.pos_embed = parallel_param(model.pos_embed, tp_mesh, Replicate())
+    seq_shapes = model.patch_embed.tp_shapes if sp else None  # this CP rank's tokens split over TP
     for blk in model.blocks:
-        blk.norm1 = DistributedLayerNorm(blk.norm1, tp_mesh)
-        blk.attn = DistributedAttention(blk.attn, tp_mesh, cp_group, seq_len=n)
-        blk.norm2 = DistributedLayerNorm(blk.norm2, tp_mesh)
-        blk.mlp = DistributedMLP(blk.mlp, tp_mesh, cp_group)
-    model.norm = DistributedLayerNorm(model.norm, tp_mesh)
-    model.head = ReplicatedLinear(model.head, tp_mesh)
-    model.parallel_groups = Groups(tp_mesh, cp_group)
+        blk.norm1 = DistributedLayerNorm(blk.norm1, tp_mesh, sp)
+        blk.attn = DistributedAttention(blk.attn, tp_mesh, cp_group, seq_len=n, seq_shapes=seq_shapes)
+        blk.norm2 = DistributedLayerNorm(blk.norm2, tp_mesh, sp)
+        blk.mlp = DistributedMLP(blk.mlp, tp_mesh, cp_group, seq_shapes=seq_shapes)
+    model.norm = DistributedLayerNorm(model.norm, tp_mesh, sp)
+    model.head = ReplicatedLinear(model.head, tp_mesh, sp)
+    model.parallel_groups = Groups(tp_mesh, cp_group, sp)
     model.embed = types.MethodType(_embed_local_tokens, model)
     model.unpatchify = types.MethodType(_gather_then_unpatchify, model)
     return model
 
 
 def _embed_local_tokens(model: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``embed`` under CP: this rank's tokens ``(B, n_r, D)`` and their slice of the position embedding."""
-    pe = model.patch_embed
-    return pe(x) + local_tensor(model.pos_embed).narrow(1, pe.offset, pe.num_local)
+    """``embed`` under CP: this rank's tokens ``(B, n_r, D)`` and their slice of the position embedding.
+
+    Under sequence parallelism the CP rank's slice is scattered over TP: backward all-gathers its gradient, so
+    every TP rank holds the position embedding's gradient for all of the CP rank's tokens."""
+    pe, groups = model.patch_embed, model.parallel_groups
+    pos = local_tensor(model.pos_embed).narrow(1, pe.cp_offset, sum(pe.tp_shapes))
+    return pe(x) + (scatter_to_parallel_region(pos, 1, groups.tp) if groups.sequence_parallel else pos)
 
 
 def _gather_then_unpatchify(model: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``unpatchify`` under CP: every rank's head outputs all-gathered, then the image."""
-    x = gather_from_parallel_region(x, 1, model.patch_embed.seq_shapes, model.parallel_groups.cp)
+    """``unpatchify`` under CP: every rank's head outputs all-gathered (over TP under sequence parallelism, then
+    over CP), then the image."""
+    pe, groups = model.patch_embed, model.parallel_groups
+    if groups.sequence_parallel:
+        x = gather_from_parallel_region(x, 1, pe.tp_shapes, groups.tp)
+    x = gather_from_parallel_region(x, 1, pe.seq_shapes, groups.cp)
     return VisionTransformer.unpatchify(model, x)
 
 

@@ -1,5 +1,6 @@
 """GPU-only checks (skipped without CUDA): the prefetching loader and the DALI GPU pipeline equal the CPU path;
-fp8 training on Hopper (one GPU, and FSDP's float8 all-gather on two); the checkpoint's page-locked host
+fp8 training on Hopper (one GPU, and FSDP's float8 all-gather on two); tensor parallelism with and without
+sequence parallelism, compiled, on two GPUs; the checkpoint's page-locked host
 buffers; the memory profiling window's allocator snapshots (loaded by PyTorch's own tools), CUDA statistics
 and FSDP2 memory tracker."""
 
@@ -167,6 +168,28 @@ def test_fsdp_cpu_offload_trains_on_two_gpus(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(next(tmp_path.glob("tiny/2GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
     assert record["loss/train"] == record["loss/train"] and record["memory/peak_allocated"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_sequence_parallel_compiled_on_two_gpus_trains_like_tp2_without_it(tiny_data, tmp_path):
+    """Sequence parallelism over NCCL under torch.compile (inductor, fp32): the overlapped all-gathers and
+    reduce-scatters of distributed/sequence_parallel.py give the losses of plain tensor parallelism (the same
+    sums in another order)."""
+    import sys
+    from tests.dist_utils import free_port
+    runs = {"true": ["--amp_mode", "none"], "false": ["--amp_mode", "none"],
+            # the benchmarks' setting: bf16 with cuDNN attention on the sequence-first q, k, v
+            "cudnn": ["--amp_mode", "bf16", "--attention_backend", "cudnn"]}
+    losses = {}
+    for name, args in runs.items():
+        proc = _train_cli(tmp_path / name, tiny_data, "--tensor_parallel", "2", "--enable_jit", "true",
+                          "--sequence_parallel", "false" if name == "false" else "true", *args,
+                          launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                    f"--master_port={free_port()}"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses[name] = _last_record(tmp_path / name, 2)["loss/train"]
+    assert math.isfinite(losses["true"]) and losses["true"] == pytest.approx(losses["false"], rel=1e-3)
+    assert losses["cudnn"] == pytest.approx(losses["true"], rel=5e-2)  # bf16 rounding
 
 
 def _hopper() -> bool:

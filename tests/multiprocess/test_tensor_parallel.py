@@ -41,6 +41,8 @@ from distributed.mappings import (
 )
 from distributed.launch import LaunchEnv
 from distributed.parallelize import gradient_factor, parallelize_model
+from distributed.sequence_parallel import (region_pieces, sequence_parallel_column_linear,
+                                           sequence_parallel_row_linear)
 from distributed.tensor_parallel import apply_tensor_context_parallel, checkpoint_views
 from distributed.world import World, build_meshes, local_tensor
 from networks.vit import MLP, Attention, PatchEmbed, VisionTransformer
@@ -160,11 +162,45 @@ def _check_mappings(group, shape, dim, tag):
             reduce_scatter_to_sequence_parallel_region(x, dim, [0] * P, group)
 
 
+def _check_sequence_parallel_linears(group, n, tag):
+    """The sequence-parallel linears against ``F.linear`` on all ``n`` tokens (sequence-first ``(n, 2, .)``):
+    column ``(n_r, 2, 5) -> (n, 2, 4_r)``, row ``(n, 2, 4_r) -> (n_r, 2, 3)``; outputs and every gradient."""
+    P, r = group_size(group), group_rank(group)
+    shapes = compute_split_shapes(n, P)
+    x_full, w1, b1, w2 = _rand((n, 2, 5), 1), _rand((4, 5), 2), _rand(4, 3), _rand((3, 4), 4)
+    g = _rand((n, 2, 3), 5)
+    leaves = [t.clone().requires_grad_() for t in (x_full, w1, b1, w2)]
+    F.linear(F.linear(leaves[0], leaves[1], leaves[2]), leaves[3]).mul(g).sum().backward()
+
+    x = _chunk(x_full, 0, group).clone().requires_grad_()
+    w1_r, b1_r = _chunk(w1, 0, group).clone().requires_grad_(), _chunk(b1, 0, group).clone().requires_grad_()
+    w2_r = _chunk(w2, 1, group).clone().requires_grad_()
+    h = sequence_parallel_column_linear(x, w1_r, b1_r, shapes, group)
+    assert h.shape == (n, 2, w1_r.shape[0]), tag
+    y = sequence_parallel_row_linear(h, w2_r, shapes, group)
+    assert y.shape == (shapes[r], 2, 3), tag
+    (y * _chunk(g, 0, group)).sum().backward()
+    _close(y, _chunk(F.linear(F.linear(x_full, w1, b1), w2), 0, group), F64, f"{tag} sp output")
+    _close(x.grad, _chunk(leaves[0].grad, 0, group), F64, f"{tag} sp input grad")
+    _close(w1_r.grad, _chunk(leaves[1].grad, 0, group), F64, f"{tag} sp column weight grad")
+    _close(b1_r.grad, _chunk(leaves[2].grad, 0, group), F64, f"{tag} sp column bias grad")
+    _close(w2_r.grad, _chunk(leaves[3].grad, 1, group), F64, f"{tag} sp row weight grad")
+    if P > 1:  # a split that disagrees with the local tokens is refused before any collective
+        with pytest.raises(ValueError, match="tokens"):
+            sequence_parallel_column_linear(x, w1_r, b1_r, [n] * P, group)
+        with pytest.raises(ValueError, match="tokens"):
+            sequence_parallel_row_linear(h, w2_r, [n + 1] + [0] * (P - 1), group)
+
+
 def _mappings_worker(rank, world):
     _, (_, _, cp), (_, tp_mesh, _) = _mesh_configs()
     for tag, group in [("world4", dist.group.WORLD), ("tp", tp_mesh.get_group()), ("cp", cp), ("none", None)]:
         for shape, dim in [((2, 4050, 3), 1), ((3, 7), -1), ((3, 2), 0)]:
             _check_mappings(group, shape, dim, f"{tag} {shape} dim={dim}")
+        # even (chunked reduce-scatter: 16 over 2 is 4 pieces of 2 tokens), uneven (7 over 2: 4 + 3; over 4:
+        # 2, 2, 2, 1) and an empty rank (3 over 4: 1, 1, 1, 0)
+        for n in (16, 8, 7, 3):
+            _check_sequence_parallel_linears(group, n, f"{tag} {n} tokens")
     # 4050 tokens over 4 ranks -> [1013, 1013, 1013, 1011]; the gathered result keeps that order
     local = torch.full((1, compute_split_shapes(4050, 4)[rank], 2), float(rank))
     full = all_gather_uneven(local, 1, compute_split_shapes(4050, 4), dist.group.WORLD)
@@ -189,8 +225,10 @@ def _feature_chunk(t, tp, heads=None):
     return _chunk(t.reshape(*t.shape[:-1], groups, n, d), -2, g).reshape(*t.shape[:-1], -1)
 
 
-def _check_layer(dense, par, x_full, *, tp, cp, tol, tag, in_split=False, out_split=False, heads=None, seq_dim=1):
-    """Compare par(x_local) with dense(x_full): outputs, input grads and parameter grads (cp-summed) and values."""
+def _check_layer(dense, par, x_full, *, tp, cp, tol, tag, in_split=False, out_split=False, heads=None, seq_dim=1,
+                 sp=False):
+    """Compare par(x_local) with dense(x_full): outputs, input grads and parameter grads (cp-summed) and values.
+    ``sp``: sequence parallel, the cp rank's tokens split over tp too."""
     dense.zero_grad(set_to_none=True)
     xr = x_full.clone().requires_grad_()
     yr = dense(xr)
@@ -200,6 +238,8 @@ def _check_layer(dense, par, x_full, *, tp, cp, tol, tag, in_split=False, out_sp
     def local(t, split):  # this rank's view of a dense activation
         if cp is not None and seq_dim is not None:
             t = _chunk(t, seq_dim, cp)
+        if sp:
+            t = _chunk(t, seq_dim, _group(tp))
         return _feature_chunk(t, tp, heads) if split else t
 
     x = local(x_full, in_split).clone().requires_grad_()
@@ -258,6 +298,15 @@ def _layers_worker(rank, world):
                 ln.bias.copy_(_rand(6, 4, dtype))
             _check_layer(ln, DistributedLayerNorm(ln, tp), x, tp=tp, cp=cp, tol=tol, tag=f"{t} layernorm")
 
+            if tp is not None:  # sequence parallel: 7 tokens over cp (4 + 3), then over tp (2 + 2 or 2 + 1)
+                seq = compute_split_shapes(_chunk(x, 1, cp).shape[1] if cp is not None else 7, P)
+                _check_layer(mlp, DistributedMLP(mlp, tp, cp, seq_shapes=seq), x, tp=tp, cp=cp, tol=tol,
+                             tag=f"{t} sp mlp", sp=True)
+                _check_layer(attn, DistributedAttention(attn, tp, cp, seq_len=7, seq_shapes=seq), x, tp=tp, cp=cp,
+                             tol=tol, tag=f"{t} sp attn", sp=True)
+                _check_layer(ln, DistributedLayerNorm(ln, tp, sequence_parallel=True), x, tp=tp, cp=cp, tol=tol,
+                             tag=f"{t} sp layernorm", sp=True)
+
         _check_autocast(tp, cp, tag)
         _check_placements(tp, tag)
         _check_patch_embed(tp, cp, tag)
@@ -296,23 +345,34 @@ def _check_placements(tp, tag):
 
 
 def _check_patch_embed(tp, cp, tag):
-    """12x20 image, patch 4 -> 3x5 grid = 15 tokens; cp=2 splits them 8 + 7 mid patch-row."""
-    pe = PatchEmbed((12, 20), 4, 3, 6).double()
-    par = DistributedPatchEmbed(pe, tp, cp)
-    img = _rand((2, 3, 12, 20), 5)
-    xr = img.clone().requires_grad_()
-    yr = pe(xr)
-    g = _rand(yr.shape, 6)
-    (yr * g).sum().backward()
-    x = img.clone().requires_grad_()
-    y = par(x)
-    assert y.shape[1] == compute_split_shapes(15, group_size(cp))[group_rank(cp)]
-    (y * (g if cp is None else _chunk(g, 1, cp))).sum().backward()
-    _close(y, yr.detach() if cp is None else _chunk(yr.detach(), 1, cp), F64, f"{tag} patch fwd")
-    _close(_cp_sum(par.proj.weight.grad, cp), pe.proj.weight.grad, F64, f"{tag} patch weight grad")
-    _close(_cp_sum(par.proj.bias.grad, cp), pe.proj.bias.grad, F64, f"{tag} patch bias grad")
-    # the image gradient is partial per cp rank: its cp-sum is the dense one
-    _close(_cp_sum(x.grad, cp), xr.grad, F64, f"{tag} patch input grad")
+    """12x20 image, patch 4 -> 3x5 grid = 15 tokens; cp=2 splits them 8 + 7 mid patch-row, sequence
+    parallelism each cp chunk over tp (8 -> 4 + 4, 7 -> 4 + 3; 15 -> 8 + 7 without cp)."""
+    for sp in (False, True) if tp is not None else (False,):
+        pe = PatchEmbed((12, 20), 4, 3, 6).double()
+        par = DistributedPatchEmbed(pe, tp, cp, sequence_parallel=sp)
+        img = _rand((2, 3, 12, 20), 5)
+        xr = img.clone().requires_grad_()
+        yr = pe(xr)
+        g = _rand(yr.shape, 6)
+        (yr * g).sum().backward()
+        x = img.clone().requires_grad_()
+        y = par(x)
+
+        def local(t):
+            t = t if cp is None else _chunk(t, 1, cp)
+            return _chunk(t, 1, _group(tp)) if sp else t
+        n_cp = compute_split_shapes(15, group_size(cp))[group_rank(cp)]
+        assert y.shape[1] == (compute_split_shapes(n_cp, 2)[group_rank(_group(tp))] if sp else n_cp), tag
+        (y * local(g)).sum().backward()
+        t = f"{tag} sp={sp}"
+        _close(y, local(yr.detach()), F64, f"{t} patch fwd")
+        _close(_cp_sum(par.proj.weight.grad, cp), pe.proj.weight.grad, F64, f"{t} patch weight grad")
+        _close(_cp_sum(par.proj.bias.grad, cp), pe.proj.bias.grad, F64, f"{t} patch bias grad")
+        # the image gradient is partial per cp (and sp: tp) rank: its sum is the dense one
+        grad = _cp_sum(x.grad, cp)
+        if sp:
+            dist.all_reduce(grad, group=_group(tp))
+        _close(grad, xr.grad, F64, f"{t} patch input grad")
 
 
 def _check_attention_errors(tp, cp, tag):
@@ -359,11 +419,22 @@ def _vit(img, heads, dtype, seed=0):
                              num_heads=heads, mlp_ratio=2.0).to(dtype)
 
 
-def _check_training(tag, tp, cp, img, heads, dtype, tol, steps):
+def _tokens_per_rank(n, tp, cp, sp):
+    """This rank's token count between the blocks: its cp chunk of ``n``, and with sequence parallelism its tp
+    chunk of that."""
+    n_cp = compute_split_shapes(n, group_size(cp))[group_rank(cp)]
+    return compute_split_shapes(n_cp, 2)[group_rank(_group(tp))] if sp and tp is not None else n_cp
+
+
+def _check_training(tag, tp, cp, img, heads, dtype, tol, steps, sp=True):
     """Adam training of the converted model vs the plain one; grads, clipped grads, norm, outputs, and the
-    parameters after training through ``full_model_state_dict``."""
+    parameters after training through ``full_model_state_dict``. ``sp``: sequence parallelism, whose
+    activations between the blocks must hold 1/tp of the cp rank's tokens."""
     ref = _vit(img, heads, dtype)
-    model = apply_tensor_context_parallel(copy.deepcopy(ref), tp, cp)
+    model = apply_tensor_context_parallel(copy.deepcopy(ref), tp, cp, sequence_parallel=sp)
+    seen = []  # the token count of every block's input and of the final norm's
+    for module in [*model.blocks, model.norm]:
+        module.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
     assert isinstance(model, VisionTransformer) and type(model) is VisionTransformer  # no class swap
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     if tp is not None:
@@ -377,8 +448,11 @@ def _check_training(tag, tp, cp, img, heads, dtype, tol, steps):
         grads_ref = {n: q.grad.clone() for n, q in ref.named_parameters()}
         norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
 
+        seen.clear()
         out = model(x)
         assert out.shape == out_ref.shape
+        n = ref.patch_embed.num_patches
+        assert seen == [_tokens_per_rank(n, tp, cp, sp)] * (len(model.blocks) + 1), f"{tag} tokens per rank {seen}"
         F.mse_loss(out, y).backward()
         grads = _full_grads(model, cp)
         _set_grads(model, grads)
@@ -414,8 +488,11 @@ def _check_training(tag, tp, cp, img, heads, dtype, tol, steps):
         out = model(x)
         _close(plain(x), out, tol, f"{tag} plain model from full_model_state_dict")
         # ... and a converted copy of that plain model predicts the same
-        fresh = apply_tensor_context_parallel(plain, tp, cp)
+        other = apply_tensor_context_parallel(copy.deepcopy(plain), tp, cp, sequence_parallel=not sp)
+        fresh = apply_tensor_context_parallel(plain, tp, cp, sequence_parallel=sp)
         assert torch.equal(fresh(x), out), f"{tag} converted from the loaded plain model"
+        # the same weights with sequence parallelism switched: the same predictions (sums in another order)
+        _close(other(x), out, tol, f"{tag} sequence_parallel={not sp} from the same weights")
 
 
 def _model_worker(rank, world):
@@ -426,6 +503,8 @@ def _model_worker(rank, world):
     # uneven: 12x20 -> 15 tokens (8 + 7 over cp), 3 heads (2 + 1 over tp)
     for tag, tp_m, cp_g in configs:
         _check_training(f"{tag} 12x20", tp_m, cp_g, (12, 20), 3, torch.float64, F64, steps=3)
+    # without sequence parallelism the activations stay replicated over tp
+    _check_training("tp2xcp2 12x20 no sp", tp, cp, (12, 20), 3, torch.float64, F64, steps=2, sp=False)
     _check_training("tp2xcp2 fp32", tp, cp, (12, 20), 3, torch.float32, F32, steps=2)
     # conversion errors leave nothing half-done
     with pytest.raises(ValueError, match="tokens"):
@@ -522,6 +601,14 @@ def test_compute_split_shapes():
         compute_split_shapes(-1, 2)
 
 
+def test_region_pieces():
+    """A sequence-parallel region's piece-major token order: each rank's tokens cut in ``chunks`` pieces."""
+    assert region_pieces([5, 4], 2) == [[3, 2], [2, 2]]
+    assert region_pieces([2025, 2025], 4) == [[507, 507]] * 3 + [[504, 504]]  # mp's 4050 tokens over tp 2
+    assert region_pieces([2, 1, 0], 4) == [[1, 1, 0], [1, 0, 0]]  # pieces empty on every rank are dropped
+    assert sum(map(sum, region_pieces([1013, 1013, 1013, 1011], 4))) == 4050
+
+
 def test_single_process_identity_and_errors():
     """With no mesh and no group the converted model is the plain model: same outputs, grads and norms."""
     ref = _vit((12, 20), 3, torch.float64)
@@ -550,3 +637,7 @@ def test_single_process_identity_and_errors():
         DistributedMatmul(weight, None, groups=3, gather_output=True)
     with pytest.raises(ValueError):
         DistributedMatmul(weight, None, parallel="column", input_is_parallel=False)
+    with pytest.raises(ValueError, match="seq_shapes"):
+        DistributedMatmul(weight, None, gather_output=True, seq_shapes=[3, 3])
+    with pytest.raises(ValueError, match="seq_shapes"):
+        DistributedMatmul(weight, None, parallel="row", input_is_parallel=False, seq_shapes=[3, 3])

@@ -245,6 +245,7 @@ def test_unknown_key_suggests_the_closest():
     ("lr", "fast", "--lr expects a number"),
     ("lr", "nan", "--lr expects a finite number"),
     ("enable_fused", "maybe", "--enable_fused expects true or false"),
+    ("sequence_parallel", "maybe", "--sequence_parallel expects true or false"),
     ("img_size", "[1,2,3]", "--img_size expects a list of 2"),
     ("img_size", "360", "--img_size expects a list of 2"),
     ("img_size", "[a,b]", "--img_size expects an integer"),
