@@ -87,8 +87,9 @@ def tp(args) -> list[tuple]:
         dp = n // (tp_size * cp_size)
         out.append((f"mp_tp{tp_size}_cp{cp_size}" + ("" if sp else "_nosp"), n,
                     ["--config", args.config or "mp", "--tensor_parallel", str(tp_size),
-                     "--context_parallel", str(cp_size), "--sequence_parallel", str(sp).lower(),
-                     "--local_batch_size", "16", "--limit_nsamples", str(16 * dp * args.steps)] + OPT + data))
+                     "--context_parallel", str(cp_size), "--local_batch_size", "16",
+                     "--limit_nsamples", str(16 * dp * args.steps), "--sequence_parallel", str(sp).lower()]
+                    + OPT + data))
     return out
 
 
