@@ -51,7 +51,7 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_f
 
 def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh | None,
                                   cp_group: dist.ProcessGroup | None,
-                                  sequence_parallel: bool = True) -> VisionTransformer:
+                                  sequence_parallel: bool = False) -> VisionTransformer:
     """Convert ``model`` in place to TP over ``tp_mesh`` and CP over ``cp_group``, with sequence parallelism
     over TP if ``sequence_parallel`` (ignored without TP); returns it.
 

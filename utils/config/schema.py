@@ -148,9 +148,10 @@ class ParallelConfig:
     fsdp_reduce_dtype: Literal["fp32", "param"] = key("fp32", "gradient reduce dtype under AMP")
     tensor_parallel: int = key(1, "tensor-parallel size tp (heads and MLP columns split)", AT_LEAST_1)
     context_parallel: int = key(1, "context-parallel size cp (tokens split)", AT_LEAST_1)
-    sequence_parallel: bool = key(True, "tensor_parallel > 1: split the tokens over tp between the attention/MLP "
-                                        "GEMMs too, so LayerNorms and residual adds run on 1/tp of them "
-                                        "(Megatron-LM sequence parallelism; the same checkpoints)")
+    sequence_parallel: bool = key(False, "tensor_parallel > 1: split the tokens over tp between the attention/MLP "
+                                         "GEMMs too, so LayerNorms, residual adds and their activations take 1/tp "
+                                         "(Megatron-LM sequence parallelism; the same checkpoints): less memory, "
+                                         "a little slower at mp (docs/parallelism.md)")
     parallel_order: Literal["tp-cp-dp", "cp-tp-dp", "tp-dp-cp", "cp-dp-tp", "dp-tp-cp", "dp-cp-tp"] = key(
         "tp-cp-dp", "mesh dimension order, innermost (adjacent ranks) first")
     bucket_cap_mb: int = key(25, "DDP gradient bucket size, MiB", AT_LEAST_1)
