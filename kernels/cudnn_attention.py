@@ -30,8 +30,8 @@ _SUPPORTED = (torch.bfloat16, torch.float16)
 
 
 @dataclass
-class _Graphs:
-    """The built forward and backward graphs of one shape, and their tensor handles."""
+class AttentionGraphs:
+    """The built forward and backward cuDNN graphs of one shape, and their tensor handles."""
 
     handle: object
     fwd: object
@@ -70,7 +70,7 @@ def cudnn_handle(device_index: int):
 
 
 @lru_cache(maxsize=None)
-def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: int) -> _Graphs:
+def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: int) -> AttentionGraphs:
     """Build (once per shape, dtype and device) the forward and backward cuDNN SDPA graphs."""
     cudnn = cudnn_module()
     io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
@@ -100,7 +100,7 @@ def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: in
     for name in ("dq", "dk", "dv"):
         g[name].set_output(True).set_dim(dims).set_stride(packed).set_data_type(io)
     build_graph(bwd)
-    return _Graphs(handle, fwd, bwd, f, g)
+    return AttentionGraphs(handle, fwd, bwd, f, g)
 
 
 def packed_views(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -30,20 +30,19 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from kernels.cudnn_attention import (attention_strides, build_graph, cudnn_handle, cudnn_module, execute_graph,
-                                     packed_views)
+from kernels.cudnn_attention import (AttentionGraphs, attention_strides, build_graph, cudnn_handle, cudnn_module,
+                                     execute_graph, packed_views)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 P_SCALE = 2.0 ** 8
 # indices into the saved scales (forward -> backward): the three descales of q, k, v, O's descale, the amax of q
 # and k, and the largest row 2-norm of V
-DQ, DK, DV, DO_, AMAX_Q, AMAX_K, VNORM = range(7)
+DESCALE_Q, DESCALE_K, DESCALE_V, DESCALE_O, AMAX_Q, AMAX_K, VNORM = range(7)
 GRADIENT_SCALES = ("scale_dO", "scale_dP", "scale_dQ", "scale_dK", "scale_dV")
 _BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
                 "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
@@ -76,15 +75,6 @@ def backward_scales(grad_out: torch.Tensor, saved: torch.Tensor, n: int, head_di
     return {name: pow2_scale(b, E4M3_MAX if name == "scale_dP" else E5M2_MAX) for name, b in bounds.items()}
 
 
-@dataclass
-class _Graphs:
-    handle: object
-    fwd: object
-    bwd: object
-    f: dict  # name -> forward graph tensor
-    b: dict  # name -> backward graph tensor
-
-
 def _scalars(graph, names) -> dict:
     f32 = cudnn_module().data_type.FLOAT
     return {s: graph.tensor(name=s, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32) for s in names}
@@ -95,7 +85,7 @@ def _set(tensor, dims, stride, dtype) -> None:
 
 
 @lru_cache(maxsize=None)
-def _graphs(b: int, n: int, h: int, d: int, device_index: int) -> _Graphs:
+def _graphs(b: int, n: int, h: int, d: int, device_index: int) -> AttentionGraphs:
     """Build (once per shape and device) the fp8 forward and backward cuDNN SDPA graphs."""
     cudnn = cudnn_module()
     e4m3, e5m2, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FP8_E5M2, cudnn.data_type.FLOAT
@@ -128,11 +118,19 @@ def _graphs(b: int, n: int, h: int, d: int, device_index: int) -> _Graphs:
     outs = bwd.sdpa_fp8_backward(q=g["q"], k=g["k"], v=g["v"], o=g["o"], dO=g["do"], stats=g["stats"],
                                  attn_scale=1 / math.sqrt(d), use_causal_mask=False,
                                  **{name: g[name] for name in _BWD_SCALARS})
-    for name, t in zip(("dq", "dk", "dv", "amax_dq", "amax_dk", "amax_dv", "amax_dp"), outs):
+    for name, t in zip(("dq", "dk", "dv"), outs[:3]):
         g[name] = t
-        _set(t, dims, packed, e5m2) if name in ("dq", "dk", "dv") else _set(t, *one, f32)
+        _set(t, dims, packed, e5m2)
+    for name, t in zip(("amax_dq", "amax_dk", "amax_dv", "amax_dp"), outs[3:]):
+        g[name] = t
+        _set(t, *one, f32)
     build_graph(bwd)
-    return _Graphs(handle, fwd, bwd, f, g)
+    return AttentionGraphs(handle, fwd, bwd, f, g)
+
+
+def _descales(saved: torch.Tensor, names: str) -> dict[str, torch.Tensor]:
+    index = {"q": DESCALE_Q, "k": DESCALE_K, "v": DESCALE_V, "o": DESCALE_O}
+    return {f"descale_{name}": saved[index[name]] for name in names}
 
 
 def _scalar(x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +144,7 @@ def _forward(qkv8: torch.Tensor, saved: torch.Tensor) -> tuple[torch.Tensor, tor
     o8 = torch.empty(b, n, h, d, device=qkv8.device, dtype=E4M3)
     stats = torch.empty(b, h, n, 1, device=qkv8.device, dtype=torch.float32)
     q, k, v = packed_views(qkv8)
-    values = {"descale_q": saved[DQ], "descale_k": saved[DK], "descale_v": saved[DV], "scale_o": 1 / saved[DO_],
+    values = {**_descales(saved, "qkv"), "scale_o": 1 / saved[DESCALE_O],
               "descale_s": torch.tensor(1 / P_SCALE, device=qkv8.device),
               "scale_s": torch.tensor(P_SCALE, device=qkv8.device)}
     f = gr.f
@@ -172,7 +170,7 @@ def _backward(qkv8: torch.Tensor, o8: torch.Tensor, do8: torch.Tensor, stats: to
     q, k, v = packed_views(qkv8)
     dq, dk, dv = packed_views(dqkv8)
     scales = dict(zip(GRADIENT_SCALES, grad_scales))
-    values = {"descale_q": saved[DQ], "descale_k": saved[DK], "descale_v": saved[DV], "descale_o": saved[DO_],
+    values = {**_descales(saved, "qkvo"),
               "descale_dO": 1 / scales["scale_dO"], "descale_s": torch.tensor(1 / P_SCALE, device=qkv8.device),
               "descale_dP": 1 / scales["scale_dP"], "scale_s": torch.tensor(P_SCALE, device=qkv8.device),
               **{name: scales[name] for name in ("scale_dQ", "scale_dK", "scale_dV", "scale_dP")}}
@@ -201,7 +199,7 @@ class _Fp8Attention(torch.autograd.Function):
         qkv8 = (qkv * scale.to(qkv.dtype).view(1, 1, 3, 1, 1)).to(E4M3)
         o8, stats = _forward(qkv8, saved)
         ctx.save_for_backward(qkv8, o8, stats, saved)
-        return o8.to(qkv.dtype) * saved[DO_].to(qkv.dtype)
+        return o8.to(qkv.dtype) * saved[DESCALE_O].to(qkv.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:

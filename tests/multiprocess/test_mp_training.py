@@ -30,6 +30,7 @@ def single(tiny_data, tmp_path_factory):
     (2, {"context_parallel": 2}),
     (4, {"tensor_parallel": 2, "fsdp": "zero3"}),
     (4, {"tensor_parallel": 2, "context_parallel": 2}),
+    (4, {"tensor_parallel": 2, "context_parallel": 2, "sequence_parallel": True}),
 ])
 def test_model_parallel_training_matches_single_process(tiny_data, tmp_path, single, world_size, overrides):
     run_distributed(train_on_ranks, world_size, str(tiny_data), str(tmp_path), {**STEPS, **overrides})

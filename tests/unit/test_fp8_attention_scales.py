@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from distributed.launch import LaunchEnv
 from distributed.parallelize import apply_fp8_attention, fp8_attention_fallback
 from distributed.world import World
-from kernels.cudnn_fp8_attention import (DO_, DQ, DV, E4M3_MAX, E5M2_MAX, P_SCALE, backward_scales, forward_scales,
-                                         pow2_scale)
+from kernels.cudnn_fp8_attention import (DESCALE_K, DESCALE_O, DESCALE_Q, DESCALE_V, E4M3_MAX, E5M2_MAX, P_SCALE,
+                                         backward_scales, forward_scales, pow2_scale)
 from networks.vit import VisionTransformer
 from utils.config.schema import PrecisionConfig
 
@@ -49,10 +49,10 @@ def test_every_quantized_tensor_fits_its_format(sharpness):
     grad = torch.randn(b, n, h, d) * 1e-4
     out, p, dp, dqkv = _attention(qkv, grad)
     scale, saved = forward_scales(qkv)
-    assert torch.equal(scale, 1 / saved[[DQ, 1, DV]])
+    assert torch.equal(scale, 1 / saved[[DESCALE_Q, DESCALE_K, DESCALE_V]])
     assert (qkv.abs().amax(dim=(0, 1, 3, 4)) * scale <= E4M3_MAX / 2).all()
     assert (p * P_SCALE <= E4M3_MAX).all()
-    assert (out.abs().max() / saved[DO_] <= E4M3_MAX / 2).item()
+    assert (out.abs().max() / saved[DESCALE_O] <= E4M3_MAX / 2).item()
     sc = backward_scales(grad, saved, n, d)
     assert (grad.abs().max() * sc["scale_dO"] <= E5M2_MAX / 2).item()
     assert (dp.abs().max() * sc["scale_dP"] <= E4M3_MAX / 2).item()
