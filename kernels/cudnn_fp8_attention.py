@@ -133,6 +133,11 @@ def _descales(saved: torch.Tensor, names: str) -> dict[str, torch.Tensor]:
     return {f"descale_{name}": saved[index[name]] for name in names}
 
 
+def _probability_scales(saved: torch.Tensor) -> dict[str, torch.Tensor]:
+    # filled on the device: a torch.tensor(...) here would copy from the host and wait for the GPU every call
+    return {"descale_s": saved.new_full((), 1 / P_SCALE), "scale_s": saved.new_full((), P_SCALE)}
+
+
 def _scalar(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(1, 1, 1, 1).contiguous()
 
@@ -144,9 +149,7 @@ def _forward(qkv8: torch.Tensor, saved: torch.Tensor) -> tuple[torch.Tensor, tor
     o8 = torch.empty(b, n, h, d, device=qkv8.device, dtype=E4M3)
     stats = torch.empty(b, h, n, 1, device=qkv8.device, dtype=torch.float32)
     q, k, v = packed_views(qkv8)
-    values = {**_descales(saved, "qkv"), "scale_o": 1 / saved[DESCALE_O],
-              "descale_s": torch.tensor(1 / P_SCALE, device=qkv8.device),
-              "scale_s": torch.tensor(P_SCALE, device=qkv8.device)}
+    values = {**_descales(saved, "qkv"), **_probability_scales(saved), "scale_o": 1 / saved[DESCALE_O]}
     f = gr.f
     pack = {f["q"]: q, f["k"]: k, f["v"]: v, f["o"]: o8.transpose(1, 2), f["stats"]: stats,
             **{f[name]: _scalar(x) for name, x in values.items()},
@@ -170,9 +173,8 @@ def _backward(qkv8: torch.Tensor, o8: torch.Tensor, do8: torch.Tensor, stats: to
     q, k, v = packed_views(qkv8)
     dq, dk, dv = packed_views(dqkv8)
     scales = dict(zip(GRADIENT_SCALES, grad_scales))
-    values = {**_descales(saved, "qkvo"),
-              "descale_dO": 1 / scales["scale_dO"], "descale_s": torch.tensor(1 / P_SCALE, device=qkv8.device),
-              "descale_dP": 1 / scales["scale_dP"], "scale_s": torch.tensor(P_SCALE, device=qkv8.device),
+    values = {**_descales(saved, "qkvo"), **_probability_scales(saved),
+              "descale_dO": 1 / scales["scale_dO"], "descale_dP": 1 / scales["scale_dP"],
               **{name: scales[name] for name in ("scale_dQ", "scale_dK", "scale_dV", "scale_dP")}}
     g = gr.b
     pack = {g["q"]: q, g["k"]: k, g["v"]: v, g["o"]: o8.transpose(1, 2), g["do"]: do8.transpose(1, 2),
