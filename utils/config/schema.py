@@ -71,6 +71,18 @@ class DataConfig:
     data_loader_config: Literal["pytorch", "dali", "synthetic"] = key(
         "pytorch", "native h5py loader, NVIDIA DALI, or random device tensors (compute ceiling)")
     num_data_workers: int = key(0, "loader worker processes (0: read in the main process)", NON_NEGATIVE)
+    forcings: tuple[str, ...] = key((), "input-only channels computed for the valid time of each step's target "
+                                        "(cos_solar_zenith_angle, sin/cos_local_time, sin/cos_julian_day, "
+                                        "sin/cos_latitude, sin/cos_longitude; docs/data.md#forcings)")
+    static_fields: tuple[str, ...] = key((), "input-only static channels read from static_path (e.g. lsm, z), each "
+                                             "normalized with its own mean and std")
+    static_path: str = key("", "HDF5 file of the static fields (empty: <data_path>/static.h5, written by "
+                                "tools.convert_era5 when the input has them)")
+
+    @property
+    def model_in_channels(self) -> int:
+        """Channels the model reads: the C prognostic ones, then the forcings, then the static fields."""
+        return self.n_in_channels + len(self.forcings) + len(self.static_fields)
 
 
 @dataclass
