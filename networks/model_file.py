@@ -46,7 +46,9 @@ def package_meta(cfg: Config, data=None) -> dict:
     ``config`` (:func:`config_sections`), ``channels``, ``channel_units``, ``normalization`` (``mean``/``std``
     float32 ``(C,)``), ``grid`` (``latitude`` ``(H,)``/``longitude`` ``(W,)`` float64 degrees), ``time``
     (``step``, ``unit``, ``dt``, ``calendar``, ``step_hours``), ``climatology`` (``values`` float32 ``(D, K, C,
-    H, W)``, ``hour``, ``calendar``, ``window_days``, ``description``; or ``note`` saying why not).
+    H, W)``, ``hour``, ``calendar``, ``window_days``, ``description``; or ``note`` saying why not), ``static``
+    (float32 ``(S, H, W)``: the normalized static fields of ``data.static_fields``, ``S`` 0 without; the forcings
+    are named in ``config["data"]`` and computed from the valid time).
 
     Raises:
         UserError: the data folder's statistics or files cannot be read.
@@ -70,7 +72,22 @@ def package_meta(cfg: Config, data=None) -> dict:
             "time": {"step": float(step.value), "unit": step.unit, "dt": cfg.data.dt,
                      "calendar": axis.calendar if axis is not None else "standard",
                      "step_hours": step.hours(axis.calendar if axis is not None else "standard")},
-            "climatology": _climatology(stats.climatology)}
+            "climatology": _climatology(stats.climatology),
+            "static": _static(cfg, data, lat, axis)}
+
+
+def _static(cfg: Config, data, lat, axis) -> torch.Tensor:
+    """The normalized static fields the model was trained with, float32 ``(S, H, W)`` (``S`` 0 without)."""
+    h, w = cfg.data.img_size
+    forcings = getattr(data, "train_forcings", None)
+    if forcings is not None and forcings.static is not None:
+        return forcings.static.detach().cpu().clone()
+    if not cfg.data.static_fields:
+        return torch.zeros(0, h, w)
+    from utils.data.forcing_source import static_path
+    from utils.data.static import read_static
+    lon = axis.longitude if axis is not None else np.linspace(0, 360, w, endpoint=False)
+    return torch.from_numpy(read_static(static_path(cfg.data), cfg.data.static_fields, np.asarray(lat)[:h], lon))
 
 
 def _read_data(cfg: Config):

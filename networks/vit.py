@@ -128,6 +128,9 @@ class VisionTransformer(nn.Module):
         depth: number of transformer blocks.
         num_heads: attention heads per block.
         mlp_ratio: MLP hidden width as a multiple of D.
+        residual: return ``x[:, :out_chans] + network(x)``: the network predicts the change over one step, as
+            GraphCast (Lam et al. 2023) and FourCastNet 3 do; the input's first ``out_chans`` channels are the
+            prognostic state, the rest input-only (forcings, static fields).
 
     Inputs and outputs are float tensors (fp32 parameters; run under autocast for bf16/fp16).
 
@@ -146,11 +149,13 @@ class VisionTransformer(nn.Module):
         depth: int = 12,
         num_heads: int = 8,
         mlp_ratio: float = 4.0,
+        residual: bool = False,
     ):
         super().__init__()
         self.img_size = tuple(img_size)
         self.patch_size = patch_size
         self.out_chans = out_chans
+        self.residual = residual
         self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, embed_dim)
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio) for _ in range(depth))
@@ -205,12 +210,16 @@ class VisionTransformer(nn.Module):
         return x.reshape(b, self.out_chans, gh * p, gw * p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.unpatchify(self.head(self.forward_features(x)))
+        out = self.unpatchify(self.head(self.forward_features(x)))
+        # residual: the network predicts the change of the first out_chans (prognostic) input channels; the sum is
+        # taken in the wider of the two dtypes, so a bf16 output does not round the fp32 state
+        return out + x[:, :self.out_chans] if self.residual else out
 
 
 def build_model(model, data) -> VisionTransformer:
     """Build the network named by ``model.nettype`` (a ``utils.config.schema.ModelConfig``) for the grid and
-    channels of ``data`` (a ``DataConfig``: ``img_size``, ``n_in_channels``, ``n_out_channels``).
+    channels of ``data`` (a ``DataConfig``: ``img_size``, ``model_in_channels``: the prognostic channels, forcings
+    and static fields, ``n_out_channels``: the prognostic ones).
 
     Raises:
         KeyError: ``model.nettype`` is not in :data:`MODELS` (the config schema only allows those).
@@ -218,12 +227,13 @@ def build_model(model, data) -> VisionTransformer:
     return MODELS[model.nettype](
         img_size=tuple(data.img_size),
         patch_size=model.patch_size,
-        in_chans=data.n_in_channels,
+        in_chans=data.model_in_channels,
         out_chans=data.n_out_channels,
         embed_dim=model.embed_dim,
         depth=model.depth,
         num_heads=model.num_heads,
         mlp_ratio=model.mlp_ratio,
+        residual=model.residual,
     )
 
 

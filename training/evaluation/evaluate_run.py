@@ -108,6 +108,7 @@ def evaluate(args, cfg, world) -> None:
     from training.evaluation.metrics import spectrum_rows
     from training.evaluation.outputs import ForecastWriter, write_scorecard
     from training.evaluation.scoring import format_scorecard, lead_times, score_rollouts
+    from utils.data.forcing_source import dataset_forcings, input_roles
     from utils.data.loaders import split_batches
     from utils.data.metadata import read_channel_units, read_metadata
     from utils.data.stats import Stats
@@ -128,6 +129,7 @@ def evaluate(args, cfg, world) -> None:
     if unknown:
         raise UserError(f"--channels {','.join(unknown)}: not in the data, whose channels are {', '.join(names)}")
     key_channels = channels or names[:4]
+    forcing = dataset_forcings(data, dataset, lat, device)  # what the model was trained with, for these times
     model, step = load_checkpoint_model(args.run_dir, cfg, args.step, args.checkpoint)
     model.to(device)
     # the run's autocast dtype on a GPU; a run trained with fp8 is scored in bf16 (its checkpoint holds plain
@@ -141,7 +143,7 @@ def evaluate(args, cfg, world) -> None:
         sums, _ = score_rollouts(model, batches, stats, checked_latitude_weights(lat, device), args.lead_steps,
                                  autocast, writer.add if writer else None,
                                  climatology=stats.sample_climatology(dataset),
-                                 rows=torch.as_tensor(spectrum_rows(lat), device=device))
+                                 rows=torch.as_tensor(spectrum_rows(lat), device=device), forcing=forcing)
     finally:
         batches.close()
     sums.reduce(world)
@@ -155,8 +157,9 @@ def evaluate(args, cfg, world) -> None:
         trained = training_rollout(cfg)
         write_scorecard(card, out, key_channels, {"checkpoint_step": step, "data_path": data.data_path,
                                                   "split": args.split, "init_every": args.init_every,
-                                                  "training_rollout": trained}, units, run, step)
-        print(f"model: {run} at step {step}, trained with {trained}", flush=True)
+                                                  "training_rollout": trained, "inputs": input_roles(data)},
+                        units, run, step)
+        print(f"model: {run} at step {step}, trained with {trained}; {input_roles(data)}", flush=True)
         print(format_scorecard(card, key_channels), flush=True)
         print(f"wrote {out / 'scorecard.json'}, scorecard.nc, scorecard.png and spectra.png", flush=True)
 

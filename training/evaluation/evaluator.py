@@ -104,7 +104,7 @@ class Evaluator(Component):
 
         sums, checks = score_rollouts(model, self.data.valid, self.data.stats, self.lat_weights, self.steps,
                                       autocast, keep_first if self.world.is_main else None, self.baselines is None,
-                                      self.climatology, self.rows)
+                                      self.climatology, self.rows, self.data.valid_forcings)
         sums.reduce(self.world)
         if self.baselines is None:
             self.baselines = (sums.mse[1:].clone(), sums.acc[1:].clone(), sums.bias[1:].clone(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from utils.config.schema import KEYS, Config
 from utils.config.types import coerce
 from utils.core.errors import UserError
 from utils.core.safe_load import load_plain
+from utils.data.forcing_source import package_forcings
 from utils.data.layout import FIELDS
 from utils.data.metadata import read_metadata, read_time_axis
 from utils.data.timestep import TimeStep
@@ -110,6 +112,7 @@ class Forecaster:
         self.calendar = time["calendar"]
         dtype = AMP_DTYPES[self.config.precision.amp_mode] if self.device.type == "cuda" else None
         self.autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype else contextlib.nullcontext
+        self.inputs = package_forcings(self.config.data, package, self.latitude, self.longitude, self.device)
 
     @classmethod
     def from_file(cls, model_pt: str | Path, device=None) -> "Forecaster":
@@ -206,11 +209,15 @@ class Forecaster:
         if lead_steps < 1:
             raise UserError(f"lead_steps must be at least 1, got {lead_steps}")
         x, init_dim, init = self._stack(initial_state)
+        valid = self._valid_times(init, lead_steps) if init is not None else None
+        times = self._forcing_times(valid, len(x), lead_steps)
         out = []
         with torch.no_grad():
-            for batch in torch.split(torch.from_numpy(x), batch_size):
-                inp = (batch.to(self.device) - self.mean) / self.std
-                steps = [(y * self.std + self.mean).cpu() for y in rollout(self.model, inp, lead_steps, self.autocast)]
+            for start in range(0, len(x), batch_size):
+                inp = (torch.from_numpy(x[start:start + batch_size]).to(self.device) - self.mean) / self.std
+                forcing = self.inputs and partial(self._forcing, times, start, len(inp))
+                steps = [(y * self.std + self.mean).cpu()
+                         for y in rollout(self.model, inp, lead_steps, self.autocast, forcing)]
                 out.append(torch.stack(steps, 1))
         values = torch.cat(out).numpy()  # (N, L, C, H, W)
         leads = [j * float(self.time_step.value) for j in range(1, lead_steps + 1)]
@@ -222,10 +229,34 @@ class Forecaster:
                   "latitude": self.latitude, "longitude": self.longitude}
         if init is not None:
             coords[init_dim or "time"] = init
-            valid = self._valid_times(init, lead_steps)
             if valid is not None:
                 coords["valid_time"] = (("lead_time",) if init_dim is None else (init_dim, "lead_time"), valid)
         return xr.Dataset(data, coords=coords, attrs={"model_step": -1 if self.step is None else int(self.step)})
+
+    def _forcing_times(self, valid, n: int, lead_steps: int) -> np.ndarray | None:
+        """The valid times ``(N, L)`` of each forecast step as cftime datetimes, for the forcings; None when the model
+        has no forcing that depends on time.
+
+        Raises:
+            UserError: the model was trained with such forcings and the initial state has no time to date them.
+        """
+        if self.inputs is None or not self.inputs.timed:
+            return None
+        if valid is None:
+            raise UserError(f"this model was trained with the forcings {', '.join(self.inputs.names)}, computed for "
+                            "each step's valid time: the initial state needs a time coordinate (datetime64 or "
+                            "cftime), e.g. from Forecaster.read_state")
+        flat = np.asarray(valid).reshape(n, lead_steps)
+        if np.issubdtype(flat.dtype, np.datetime64):
+            import cftime
+            seconds = flat.astype("datetime64[s]").astype(np.int64)
+            flat = cftime.num2date(seconds, "seconds since 1970-01-01", calendar="standard")
+        return flat
+
+    def _forcing(self, times: np.ndarray | None, start: int, n: int, step: int) -> torch.Tensor:
+        """The input-only channels of lead ``step + 1`` for the ``n`` initial states from number ``start`` on
+        (``times``: :meth:`_forcing_times`)."""
+        return self.inputs.fields(None if times is None else list(times[start:start + n, step]), n)
 
     def _stack(self, ds) -> tuple[np.ndarray, str | None, object]:
         """``(N, C, H, W)`` float32 of the channels on the model grid, the leading dimension's name (None for one

@@ -23,6 +23,7 @@ are all-reduced, so every rank returns the same scorecard.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
@@ -32,6 +33,7 @@ from distributed.world import World, all_reduce
 from training.evaluation.metrics import (blurring_band, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
                                          weighted_bias_channels, weighted_mse_channels, zonal_power_spectrum)
 from training.monitor.profiling import nvtx_range
+from utils.data.forcing_source import append_forcings
 from utils.data.stats import Stats
 from utils.data.timestep import lead_label
 
@@ -50,17 +52,19 @@ FIRST_LEAD_KEYS = (("model", "rmse", "rmse"), ("model", "acc", "acc"), ("model",
                    ("persistence", "bias", "bias_persistence"), ("climatology", "rmse", "rmse_climatology"))
 
 
-def rollout(model: nn.Module, inp: torch.Tensor, steps: int,
-            autocast: Callable[[], ContextManager]) -> Iterator[torch.Tensor]:
+def rollout(model: nn.Module, inp: torch.Tensor, steps: int, autocast: Callable[[], ContextManager],
+            forcing: Callable[[int], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
     """Yield the model's forecasts at leads 1..``steps``, each fed back as the next input.
 
     ``inp``: normalized float32 ``(B, C, H, W)``; yields float32 ``(B, C, H, W)`` (the model runs
     under ``autocast()``; its output is cast back so every step starts from the same precision).
+    ``forcing(j)``: the ``(B, F + S, H, W)`` input-only channels of lead ``j + 1`` (``utils/data/forcing_source.py``),
+    appended to each step's input; None without forcings.
     """
     x = inp
-    for _ in range(steps):
+    for j in range(steps):
         with autocast():
-            x = model(x)
+            x = model(append_forcings(x, forcing and forcing(j)))
         x = x.float()
         yield x
 
@@ -283,12 +287,14 @@ class SkillSums:
 def score_rollouts(model: nn.Module, batches: Iterable, stats: Stats, weights: torch.Tensor, steps: int,
                    autocast: Callable[[], ContextManager], on_batch: Callable | None = None,
                    baselines: bool = True, climatology: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   rows: torch.Tensor | None = None) -> tuple[SkillSums, list]:
+                   rows: torch.Tensor | None = None, forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+                   ) -> tuple[SkillSums, list]:
     """Roll ``model`` out ``steps`` times from every batch ``(inp (B, C, H, W), tar (B, K >= steps, C, H, W), idx)``
     and sum the scores (this rank's share; reduce with :meth:`SkillSums.reduce`).
 
     ``climatology(idx)``, if given, is the normalized climatology ``(B, K, C, H, W)`` at each target's valid time
-    (``Stats.sample_climatology``); else the time mean. ``rows``: the latitude rows of the spectra.
+    (``Stats.sample_climatology``); else the time mean. ``rows``: the latitude rows of the spectra. ``forcing(idx, j)``:
+    the input-only channels of lead ``j + 1`` (``Data.valid_forcings``), None without forcings.
     ``on_batch(inp, forecasts, tar, idx)``, if given, sees each batch with its list of ``steps`` forecasts
     (``evaluate.py --save_forecasts``; the figure of the first sample). Returns the sums and, per batch, ``(idx,
     finite)``: which samples scored finite (for naming NaN/Inf data). Without ``baselines`` only the model is
@@ -300,7 +306,7 @@ def score_rollouts(model: nn.Module, batches: Iterable, stats: Stats, weights: t
     with torch.no_grad():
         for inp, tar, idx in batches:
             with nvtx_range("validation"):
-                forecasts = list(rollout(model, inp, steps, autocast))
+                forecasts = list(rollout(model, inp, steps, autocast, forcing and partial(forcing, idx)))
             clim = climatology(idx)[:, :steps] if climatology is not None else None
             checks.append((idx, sums.add(inp, forecasts, tar, stats, weights, baselines, clim)))
             if on_batch is not None:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from utils.config.schema import OptimConfig
+from utils.data.forcing_source import append_forcings
 
 
 def max_rollout_steps(optim: OptimConfig) -> int:
@@ -41,12 +42,13 @@ def step_weights(optim: OptimConfig) -> tuple[float, ...]:
 
 def rollout_loss(model: Callable[[torch.Tensor], torch.Tensor],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inp: torch.Tensor, tar: torch.Tensor,
-                 weights: tuple[float, ...], recompute: bool = False) -> torch.Tensor:
+                 weights: tuple[float, ...], recompute: bool = False,
+                 forcing: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """The K-step loss ``sum_j w_j L(f^j(x), y_j) / sum_j w_j``, ``K = len(weights)``, ``f^j`` the model applied j
     times; with one step exactly ``L(f(x), y_1)``.
 
     Args:
-        model: the model, ``(B, C, H, W) -> (B, C, H, W)``.
+        model: the model, ``(B, C + F + S, H, W) -> (B, C, H, W)``.
         loss_fn: the one-step loss (``relative_l2_loss``: latitude and channel weights inside), a 0-d tensor.
         inp: the initial states, ``(B, C, H, W)`` normalized.
         tar: the targets, ``(B, k, C, H, W)`` with ``k >= K``; ``tar[:, j - 1]`` is ``j*dt`` after ``inp``.
@@ -54,19 +56,22 @@ def rollout_loss(model: Callable[[torch.Tensor], torch.Tensor],
         recompute: activation checkpointing per step: every application but the last runs under
             ``torch.utils.checkpoint`` (non-reentrant) and is recomputed in backward, so only its input is kept.
             The last is not: its backward follows at once, so recomputing it would only cost time.
+        forcing: ``j -> (B, F + S, H, W)``, the input-only channels of application ``j`` (0-based; for the valid
+            time of ``tar[:, j]``, ``utils/data/forcing_source.py``), appended to its input; None: none.
 
     Returns:
         The loss, a 0-d tensor (float32 from ``relative_l2_loss``).
     """
     if len(weights) == 1:
-        return loss_fn(model(inp), tar[:, 0])
-    return _SCOPE(_k_step_loss, model, loss_fn, inp, tar, weights, recompute)
+        return loss_fn(model(append_forcings(inp, forcing and forcing(0))), tar[:, 0])
+    return _SCOPE(_k_step_loss, model, loss_fn, inp, tar, weights, recompute, forcing)
 
 
-def _k_step_loss(model, loss_fn, inp, tar, weights, recompute) -> torch.Tensor:
+def _k_step_loss(model, loss_fn, inp, tar, weights, recompute, forcing) -> torch.Tensor:
     total, x = None, inp
     for j, w in enumerate(weights):
         last = j == len(weights) - 1
+        x = append_forcings(x, forcing and forcing(j))
         x = checkpoint(model, x, use_reentrant=False) if recompute and not last else model(x)
         term = w * loss_fn(x, tar[:, j])
         total = term if total is None else total + term

@@ -101,6 +101,8 @@ class TrainingStep:
     rollout_weights: tuple[float, ...] = (1.0,)  # loss weight of each rollout step, up to the run's largest K
     rollout_steps: int = 1  # K of the next steps (the trainer sets it from the curriculum)
     rollout_recompute: bool = False  # activation checkpointing per rollout step
+    # (sample indices, rollout step) -> the input-only channels (utils/data/forcing_source.py); None: none
+    forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     def autocast(self) -> ContextManager:
         """Autocast to ``amp_dtype`` on this device, or nothing without AMP."""
@@ -127,7 +129,8 @@ class TrainingStep:
             with gradient_sync(self.model, micro == self.accum - 1):
                 with nvtx_range("forward"), phase("forward"), self.autocast():
                     loss = rollout_loss(self.model, self.loss_fn, inp, tar, self.rollout_weights[:self.rollout_steps],
-                                        self.rollout_recompute) / self.accum
+                                        self.rollout_recompute, self.forcing and partial(self.forcing, idx)
+                                        ) / self.accum
                 with nvtx_range("backward"), phase("backward"):
                     self.scaler.scale(loss * self.grad_factor if self.grad_factor != 1 else loss).backward()
             loss_total += loss.detach()
@@ -186,14 +189,16 @@ def check_host_memory(cfg: Config, world: World) -> None:
                         "fewer ranks per node")
 
 
-def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor] | None = None) -> TrainingStep:
+def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor] | None = None,
+                        forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> TrainingStep:
     """The parallel model (``distributed/parallelize.py``: float8, DDP, FSDP, TP/CP, AC, compile), Adam (fused
     on CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
     only: bf16, bf16_pure and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on
     ``world``. With fp8 on a GPU, rank 0 logs once where fp8 pays on it (a warning below that width).
 
     Weights are seeded with ``optim.seed``, so every rank starts from the same ones; ``init`` (``--init_from``'s
-    plain ``state_dict``), when given, replaces them before the model is parallelized.
+    plain ``state_dict``), when given, replaces them before the model is parallelized. ``forcing``: the training
+    split's input-only channels (``Data.train_forcings``), None without forcings and static fields.
     """
     torch.manual_seed(cfg.optim.seed)
     opt, prec = cfg.optim, cfg.precision
@@ -201,7 +206,7 @@ def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor]
         log_fp8_advice(torch.cuda.get_device_name(world.device), cfg.model.embed_dim)
     model = build_parallel_model(partial(_initialized_model, cfg, init), cfg.parallel, prec, world,
                                  opt.grad_accum_steps)
-    return training_step(cfg, world, model)
+    return training_step(cfg, world, model, forcing)
 
 
 def _initialized_model(cfg: Config, init: dict[str, torch.Tensor] | None) -> torch.nn.Module:
@@ -213,7 +218,8 @@ def _initialized_model(cfg: Config, init: dict[str, torch.Tensor] | None) -> tor
     return model
 
 
-def training_step(cfg: Config, world: World, model: torch.nn.Module) -> TrainingStep:
+def training_step(cfg: Config, world: World, model: torch.nn.Module,
+                  forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> TrainingStep:
     """The step of :func:`build_training_step` around ``model``, already parallelized for ``world`` (the dry run of
     ``training/tuner/planner.py`` builds it on fake tensors)."""
     opt, prec = cfg.optim, cfg.precision
@@ -228,4 +234,4 @@ def training_step(cfg: Config, world: World, model: torch.nn.Module) -> Training
                         torch.amp.GradScaler(world.device.type, enabled=prec.amp_mode == "fp16"), loss_fn,
                         AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
                         float8_step_hook(model, prec, world.uses_fsdp), gradient_factor(world),
-                        step_weights(opt), max_rollout_steps(opt), prec.rollout_checkpointing)
+                        step_weights(opt), max_rollout_steps(opt), prec.rollout_checkpointing, forcing)

@@ -180,7 +180,7 @@ class Trainer:
             init = read_init_weights(Path(init_from), plain_shapes(self.cfg))
             log.info("weights from %s (a fine-tune: optimizer, schedule and step start afresh)", init_from)
         try:
-            self.step_fn = build_training_step(self.cfg, self.world, init)
+            self.step_fn = build_training_step(self.cfg, self.world, init, self.data.train_forcings)
         except RuntimeError as exc:  # the host ran out while building (other processes took memory meanwhile)
             if "DefaultCPUAllocator" not in str(exc):
                 raise

@@ -21,6 +21,8 @@ from utils.config.schema import Config
 from utils.config.types import AUTO
 from utils.config.validate import batch_sizes, validate
 from utils.core.errors import UserError
+from utils.data.forcing_source import nominal_forcings
+from utils.data.layout import DEFAULT_STEP_HOURS
 
 
 def dry_run_config(cfg: Config) -> Config:
@@ -63,8 +65,8 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
         model.to_empty(device=world.device)
         if world.ddp:  # DDP's reducer needs real tensors: stepped unwrapped (see meta_model)
             model = parallelize_model(model, cfg.parallel, cfg.precision, replace(world, dp=1))
-        step = training_step(cfg, world, model)
         c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
+        step = training_step(cfg, world, model, nominal_forcings(cfg.data, DEFAULT_STEP_HOURS, world.device))
         k = max_rollout_steps(cfg.optim)  # the step runs the run's largest K (training/loop/step.py)
         dev = world.device  # the model's device: a dry run on a GPU machine steps fake CUDA tensors
         batch = (torch.randn(local, c, h, w, device=dev), torch.randn(local, k, c, h, w, device=dev),

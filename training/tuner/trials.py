@@ -172,7 +172,7 @@ class BatchTrials:
         data = build_data(cfg.data, cfg.optim.local_batch_size, world.dp_rank, world.dp, world.device,
                           cfg.optim.seed, train_target_steps=max_rollout_steps(cfg.optim))
         try:
-            step = build_training_step(cfg, world)
+            step = build_training_step(cfg, world, forcing=data.train_forcings)
             batches = endless(data.train)
             for _ in range(self.warmup):
                 step(batches)

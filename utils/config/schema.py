@@ -54,6 +54,8 @@ class ModelConfig:
     num_heads: int = key(8, "attention heads; must divide embed_dim", AT_LEAST_1)
     mlp_ratio: float = key(4.0, "MLP hidden width / embed_dim", POSITIVE)
     patch_size: int = key(8, "patch edge in grid points; must divide both img_size dims", AT_LEAST_1)
+    residual: bool = key(False, "predict the change over one step: the output is the input state plus the network's "
+                                "(GraphCast's and FourCastNet 3's residual); false: the state itself")
 
 
 @dataclass

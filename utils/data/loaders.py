@@ -21,6 +21,7 @@ from utils.config.schema import DataConfig
 from utils.core.component import Component
 from utils.core.errors import UserError
 from utils.data.dataset import ERA5Dataset, check_split_size, make_sampler
+from utils.data.forcing_source import InputForcings, dataset_forcings, nominal_forcings
 from utils.data.layout import DEFAULT_STEP_HOURS, SPLITS
 from utils.data.metadata import equiangular_latitudes, read_metadata, read_time_axis
 from utils.data.native import DeviceBatches, DeviceRing
@@ -59,6 +60,9 @@ class Data(Component):
     train_dataset: ERA5Dataset | None = None
     valid_dataset: ERA5Dataset | None = None
     step_hours: float = DEFAULT_STEP_HOURS  # hours between a file's time steps
+    # (sample indices, rollout step) -> (B, F + S, H, W) input-only channels of each split (forcing_source.py)
+    train_forcings: InputForcings | None = None
+    valid_forcings: InputForcings | None = None
 
     def close(self, error: BaseException | None = None) -> None:
         """Release both splits' workers, pinned buffers, DALI pipelines and device tensors."""
@@ -108,8 +112,10 @@ def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, dev
         train = SyntheticBatches(steps, batch_size, c, img, device, seed, target_steps=train_target_steps)
         valid = SyntheticBatches(max(1, math.ceil(n_valid / (batch_size * dp_size))), batch_size, c, img, device,
                                  seed + 1, target_steps=valid_target_steps)
+        forcings = nominal_forcings(cfg, DEFAULT_STEP_HOURS, device, seed)
         return Data(train, valid, Stats.identity(c, img, device), [f"c{i}" for i in range(c)],
-                    equiangular_latitudes(img[0]), steps * batch_size * dp_size)
+                    equiangular_latitudes(img[0]), steps * batch_size * dp_size,
+                    train_forcings=forcings, valid_forcings=forcings)
     root = Path(cfg.data_path)
     train_ds = ERA5Dataset(root / "train", c, img, cfg.dt, cfg.limit_nsamples, target_steps=train_target_steps,
                            steps_flag="train_rollout_steps")
@@ -121,6 +127,7 @@ def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, dev
     check_split_size(valid_ds, dp_size, cfg.limit_nsamples_val)
     stats = Stats.load(root / "stats", c, img, device)
     names, lat = read_metadata(train_ds.files[0].path, c, img[0])
+    forcings = [dataset_forcings(cfg, ds, lat, device) for ds in (train_ds, valid_ds)]  # bad input stops here
     if cfg.data_loader_config == "dali":
         from utils.data.dali import dali_batches
         train, valid = (dali_batches(ds, make_sampler(ds, seed, is_train, dp_rank, dp_size), batch_size,
@@ -133,7 +140,7 @@ def build_data(cfg: DataConfig, batch_size: int, dp_rank: int, dp_size: int, dev
                         for ds, is_train in ((train_ds, True), (valid_ds, False)))
     n_train = (len(train_ds) // dp_size // batch_size) * batch_size * dp_size
     return Data(train, valid, stats, names, lat, n_train, train_ds, valid_ds,
-                read_time_axis(train_ds.files[0].path, img[1]).step_hours)
+                read_time_axis(train_ds.files[0].path, img[1]).step_hours, *forcings)
 
 
 def split_batches(cfg: DataConfig, split: str, batch_size: int, dp_rank: int, dp_size: int, device: torch.device,
