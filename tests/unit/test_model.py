@@ -172,6 +172,28 @@ def test_build_model_reads_config_keys():
     assert model(torch.randn(1, 3, 12, 20)).shape == (1, 5, 12, 20)
 
 
+def test_forcings_and_static_fields_widen_the_input_only():
+    from utils.config.schema import DataConfig, ModelConfig
+
+    data = DataConfig(img_size=(8, 16), n_in_channels=2, n_out_channels=2,
+                      forcings=("cos_solar_zenith_angle", "sin_local_time", "cos_local_time"), static_fields=("lsm",))
+    model = build_model(ModelConfig(patch_size=4, embed_dim=16, depth=1, num_heads=2), data)
+    assert data.model_in_channels == 6 and model.patch_embed.proj.in_channels == 6 and model.out_chans == 2
+    assert model(torch.randn(3, 6, 8, 16)).shape == (3, 2, 8, 16)
+
+
+def test_residual_adds_the_prognostic_input_to_the_same_network():
+    kw = dict(img_size=(8, 16), patch_size=4, in_chans=3, out_chans=2, embed_dim=16, depth=1, num_heads=2)
+    torch.manual_seed(0)
+    plain = VisionTransformer(**kw)
+    torch.manual_seed(0)
+    residual = VisionTransformer(**kw, residual=True)
+    x = torch.randn(2, 3, 8, 16)
+    torch.testing.assert_close(residual(x), plain(x) + x[:, :2], rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert residual(x).dtype == torch.float32  # the bf16 change is added to the fp32 state, not rounded to bf16
+
+
 def test_build_model_from_yaml_config():
     from utils.config.loading import load_config
 

@@ -49,6 +49,30 @@ def test_gradients_flow_through_every_step():
     assert x.grad.abs().sum() > 0 and all(p.grad.abs().sum() > 0 for p in model.parameters())
 
 
+def test_each_step_gets_its_own_forcing_appended_to_the_fed_back_forecast():
+    """Application j reads [forecast j-1, forcing(j)]: the forcing of its own target's valid time, not the first's."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(5, 3, 3, padding=1)  # 3 prognostic + 2 forcing channels in, 3 out
+    x, y = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 3, 8, 16)
+    forcings = torch.randn(3, 2, 2, 8, 16)  # one (B, F, H, W) per step
+    seen = []
+
+    def forcing(j: int) -> torch.Tensor:
+        seen.append(j)
+        return forcings[j]
+    first = model(torch.cat([x, forcings[0]], 1))
+    second = model(torch.cat([first, forcings[1]], 1))
+    third = model(torch.cat([second, forcings[2]], 1))
+    want = (relative_l2_loss(first, y[:, 0]) + relative_l2_loss(second, y[:, 1]) + relative_l2_loss(third, y[:, 2])) / 3
+    for recompute in (False, True):
+        seen.clear()
+        got = rollout_loss(model, relative_l2_loss, x, y, (1.0, 1.0, 1.0), recompute, forcing)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert seen == [0, 1, 2]
+    assert torch.equal(rollout_loss(model, relative_l2_loss, x, y, (1.0,), forcing=forcing),
+                       relative_l2_loss(first, y[:, 0]))
+
+
 def test_curriculum_raises_k_by_iterations_or_epochs_up_to_the_maximum():
     fixed = OptimConfig(train_rollout_steps=3)
     assert [rollout_steps_at(fixed, s, 0) for s in (0, 10**6)] == [3, 3] and max_rollout_steps(fixed) == 3
