@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "config" / "ViT.yaml"
 LADDER = [16, 32, 64, 128, 256, 512, 1024, 2048]
 NAMES = (["base", "short", "short_opt", "opt"] + [f"bs{n}_opt" for n in LADDER]
-         + ["mp", "vit_2b", "tiny", "tiny_curriculum", "era5_sample"])
+         + ["mp", "vit_2b", "tiny", "tiny_curriculum", "era5_sample", "era5_uk"])
 
 
 def load_cfg(name="base", **overrides) -> Config:
@@ -152,6 +152,9 @@ def test_tiny_and_sample_configs():
     sample = load("era5_sample")
     assert sample.img_size == [60, 120]
     assert sample.embed_dim == tiny.embed_dim and sample.n_in_channels == 4  # from tiny
+    uk = load("era5_uk")  # make uk_sample: t2m on the 32 x 48 grid of --trim_to_multiple 8, hourly
+    assert uk.img_size == [32, 48] and uk.n_in_channels == uk.n_out_channels == 1 and uk.data_path == "data/era5_uk"
+    assert uk.embed_dim == tiny.embed_dim and uk.dt == 1
 
 
 # ---------------------------------------------------------------- overrides
