@@ -60,6 +60,7 @@ from utils.core.errors import EXIT_PREEMPTED, NonFiniteError, NothingToDo, Preem
 from utils.core.logs import setup_logging
 from utils.core.signals import install, signal_name
 from utils.data.dataset import check_crop
+from utils.data.forcing_source import input_roles
 from utils.data.loaders import build_data
 from utils.precision.amp import AMP_DTYPES
 
@@ -175,6 +176,8 @@ class Trainer:
         m = self.cfg.model
         log.info("model: %s embed %d depth %d heads %d patch %d, %.2fM parameters", m.nettype, m.embed_dim, m.depth,
                  m.num_heads, m.patch_size, count_parameters(self.cfg) / 1e6)
+        if self.data.train_forcings is not None:
+            log.info("%s", input_roles(self.cfg.data))
         init = None
         if init_from is not None:
             init = read_init_weights(Path(init_from), plain_shapes(self.cfg))
