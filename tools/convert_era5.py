@@ -4,7 +4,7 @@ Usage::
 
     python -m tools.convert_era5 --input era5.nc --out data/era5 --variables t z --levels 850 500 \\
         [--valid_start 2017-01-02 | --valid_fraction 0.5] [--members all | 0 | 0,3] \\
-        [--trim_to_multiple 4] [--select expver=0] [--overwrite]
+        [--trim_to_multiple 4] [--select expver=0] [--static_variables lsm z] [--overwrite]
 
 What it does: ``utils/preprocess/convert.py``.
 """
@@ -40,6 +40,9 @@ def build_parser() -> ArgumentParser:
                    help="drop southern rows / eastern columns so H and W are multiples of P (default 1 = keep)")
     p.add_argument("--select", action="append", default=[], metavar="DIM=INDEX",
                    help="take one entry of an extra dimension, e.g. --select expver=0 (repeatable)")
+    p.add_argument("--static_variables", nargs="+", default=[], metavar="NAME",
+                   help="variables written to <out>/static.h5 as static fields on the same grid, e.g. lsm z "
+                        "(land-sea mask, surface geopotential); constant in time if they have a time dimension")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
     return p
 
@@ -50,7 +53,7 @@ def convert_from_args(argv: list[str]) -> None:
     convert(args.input, args.out, args.variables, args.levels, valid_start=args.valid_start,
             valid_fraction=0.5 if args.valid_fraction is None else args.valid_fraction,
             members=args.members, trim_to_multiple=args.trim_to_multiple,
-            select=parse_select(args.select), overwrite=args.overwrite)
+            select=parse_select(args.select), static_variables=args.static_variables, overwrite=args.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,14 +117,17 @@ def _yaml_bytes(raw: bytes) -> Callable[[Path], list[str]]:
     return write
 
 
-def _nan_netcdf(data: Path) -> None:
-    """An ERA5-like netCDF file whose temperature is all NaN."""
-    import pandas as pd
-    import xarray as xr
-    shape = (8, 2, 8, 16)
-    xr.Dataset({"t": (("time", "level", "latitude", "longitude"), np.full(shape, np.nan, np.float32))},
-               coords={"time": pd.date_range("2000-01-01", periods=8, freq="6h"), "level": [500, 850],
-                       "latitude": np.linspace(90, -90, 8), "longitude": np.arange(16) * 22.5}).to_netcdf(data / "nan.nc")
+def _netcdf(name: str, fill: float) -> Callable[[Path], None]:
+    """An ERA5-like netCDF file ``<name>.nc`` beside the data whose temperature ``t`` is all ``fill``."""
+    def write(data: Path) -> None:
+        import pandas as pd
+        import xarray as xr
+        shape = (8, 2, 8, 16)
+        xr.Dataset({"t": (("time", "level", "latitude", "longitude"), np.full(shape, fill, np.float32))},
+                   coords={"time": pd.date_range("2000-01-01", periods=8, freq="6h"), "level": [500, 850],
+                           "latitude": np.linspace(90, -90, 8), "longitude": np.arange(16) * 22.5}
+                   ).to_netcdf(data / f"{name}.nc")
+    return write
 
 
 def _init_file(kind: str) -> Callable[[Path], list[str]]:
@@ -301,7 +304,11 @@ CASES = [
     Case("generator into an empty path", ["--out", ""], ["--out is empty"], entry="tools.make_synthetic_data",
          absent="train"),
     Case("converter on NaN input", ["--input", "{data}/nan.nc", "--out", "{data}/conv", "--variables", "t"],
-         ["has 512 NaN/Inf value(s)"], spoil=_nan_netcdf, entry="tools.convert_era5", absent="{data}/conv"),
+         ["has 512 NaN/Inf value(s)"], spoil=_netcdf("nan", np.nan), entry="tools.convert_era5", absent="{data}/conv"),
+    Case("converter without the static variable asked for",
+         ["--input", "{data}/t.nc", "--out", "{data}/conv", "--variables", "t", "--static_variables", "lsm"],
+         ["static variable(s) lsm not in the input; it has: t"], spoil=_netcdf("t", 250.0), entry="tools.convert_era5",
+         absent="{data}/conv"),
     Case("converter into a path with a newline", ["--input", "x.nc", "--out", "a\nb", "--variables", "t"],
          ["contains the control character"], entry="tools.convert_era5"),
     Case("tuner on unreadable data", ["--config", "tiny", "--data_path", "{data}", "--expdir", "{data}/runs",

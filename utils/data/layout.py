@@ -8,6 +8,8 @@ Layout (written by ``utils/preprocess/writer.py`` for the data tools, read by th
     <data_path>/stats/time_means.npy     (1, C, H, W) float32, mean over training time steps
     <data_path>/stats/climatology.h5     optional: mean by day of year and hour of day over the training
                                          years, smoothed over day of year (``utils/data/climatology.py``)
+    <data_path>/static.h5                optional: static fields (land-sea mask, orography), written by
+                                         ``tools.convert_era5 --static_variables``, read by ``utils/data/static.py``
 
 Each ``.h5`` file holds ``fields`` (T, C, H, W) float32 chunked one time step per chunk with
 attribute ``channel_names``, ``latitude`` (H,) float64 descending and ``longitude`` (W,) float64
@@ -20,6 +22,11 @@ hours and days, also as ``dt_hours`` (files without ``time_step_unit`` are in ``
 ``360_day``, ...; as cftime names it, so ``365_day`` is stored as ``noleap`` and ``gregorian`` as
 ``standard``), and ``channel_units`` (C strings, e.g. ``K``; empty where unknown). The converter always
 writes them; a file without ``calendar`` is in the standard calendar.
+
+``static.h5`` holds one float32 dataset (H, W) per static field, named as the input's variable (``lsm``, ``z``),
+with attributes ``mean`` and ``std`` (float64, over the grid, ddof=0; a constant field stores std 1) and
+``units``, next to ``latitude`` (H,) and ``longitude`` (W,) float64 equal to those of the split files; the
+fields are on the grid of the split files, cropped and trimmed the same way.
 
 Files of one split named ``<year><suffix>.h5`` with the same ``<suffix>`` (``""``, or ``_m03`` for
 ensemble member 3) form one series: where a file starts one time step after the previous one of its
@@ -95,6 +102,18 @@ STATIC = "static.h5"  # optional, <data_path>/static.h5: static input fields (la
 CLIMATOLOGY = "climatology.h5"  # optional: by day of year and hour of day (utils/data/climatology.py)
 
 
+STATIC = "static.h5"  # optional, in <data_path>: the static fields (utils/data/static.py)
+
+
+ATTR_MEAN = "mean"  # of a static field: float64 over its grid
+
+
+ATTR_STD = "std"  # of a static field: float64, ddof=0; 1 for a constant field
+
+
+ATTR_UNITS = "units"  # of a static field, e.g. "m**2 s**-2"; empty where unknown
+
+
 SUFFIX = ".h5"
 
 
@@ -141,7 +160,8 @@ def prepare_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     """Create ``out_dir/{train,valid,stats}``; refuse to mix with a previous dataset.
 
     A loader reads every ``*.h5`` of a split, so stale files from an earlier run would silently
-    join the new dataset. With ``overwrite`` they (and old stats and partial files) are deleted.
+    join the new dataset. With ``overwrite`` they (and old stats, static fields and partial files) are
+    deleted: static fields of an earlier conversion may lie on another grid.
 
     Raises:
         LayoutError: ``out_dir`` already holds layout files and ``overwrite`` is False,
@@ -153,6 +173,7 @@ def prepare_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
         raise LayoutError(f"output path {out} exists and is not a folder; pass another --out")
     old = [p for s in SPLITS for p in (out / s).glob("*.h5*")]
     old += [out / STATS / n for n in (*STATS_FILES, CLIMATOLOGY) if (out / STATS / n).exists()]
+    old += sorted(out.glob(STATIC + "*")) if out.is_dir() else []  # static.h5 and its partial file belong to it
     if old and not overwrite:
         raise LayoutError(f"{out} already holds a dataset ({len(old)} files, e.g. {old[0]}); "
                           "pass --overwrite (overwrite=True) to replace it or choose another --out")

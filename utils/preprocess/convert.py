@@ -29,6 +29,7 @@ from utils.preprocess.climatology_builder import ClimatologyAccumulator, climato
 from utils.preprocess.convert_plan import (MEMBER_DIM, Channel, OutputFile, Plan, make_plan, parse_select,  # noqa: F401
                                            run_lengths)
 from utils.preprocess.formats import open_input
+from utils.preprocess.static_fields import StaticField, format_static, read_static_fields, write_static_file
 from utils.preprocess.writer import FieldFileWriter, StatsAccumulator, format_stats
 
 BLOCK_BYTES = 256 * 2 ** 20  # bytes of float32 output read per block
@@ -102,7 +103,8 @@ def _write_files(ds, plan: Plan, out: Path, verbose: bool) -> tuple[dict[str, np
 def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str],
             levels: Sequence[float] | None = None, *, valid_start: str | None = None,
             valid_fraction: float = 0.5, members: str = "all", trim_to_multiple: int = 1,
-            select: dict[str, int] | None = None, overwrite: bool = False, verbose: bool = True) -> dict:
+            select: dict[str, int] | None = None, static_variables: Sequence[str] = (), overwrite: bool = False,
+            verbose: bool = True) -> dict:
     """Convert one ERA5-style netCDF file, GRIB file or zarr store to the layout in ``out_dir``.
 
     Args:
@@ -118,6 +120,9 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
         members: ``"all"`` or comma-separated values of the ``number`` coordinate, e.g. ``"0,3"``.
         trim_to_multiple: drop southernmost rows / easternmost columns so H, W are multiples of it.
         select: ``{dim: index}`` for any other dimension (e.g. ``{"expver": 0}``).
+        static_variables: variables written to ``<out_dir>/static.h5`` as static fields on the same grid
+            (e.g. ``["lsm", "z"]``: land-sea mask, surface geopotential); one with a time dimension must be
+            constant in time (``utils/preprocess/static_fields.py``).
         overwrite: replace an existing dataset in ``out_dir``.
         verbose: print progress and the summary.
 
@@ -128,13 +133,13 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
         ``members`` (list[int] or None), ``files`` ({split: [(name, n_steps)]}), ``climatology``
         (whether it was written), ``samples`` ({split: number of (t, t+1) pairs, across files of a
         member that continue each other}), ``time_range`` ({split:
-        (first, last) ISO times}), ``stats`` (float32 arrays), ``notes`` (list[str]: flips, trims,
-        skipped files).
+        (first, last) ISO times}), ``stats`` (float32 arrays), ``static`` ({name: (mean, std, units)} of the
+        static fields, empty without), ``notes`` (list[str]: flips, trims, skipped files).
 
     Raises:
         InputNotFoundError: missing input. LayoutError: anything else wrong with the input or
         the arguments (unsupported format, missing optional package, missing variable/level,
-        unknown dimension, NaN/Inf, bad split, ...).
+        unknown dimension, NaN/Inf, bad split, a static variable missing or changing in time, ...).
         Validation happens before anything is written; if reading fails midway, the files
         written by this call are removed again.
     """
@@ -142,11 +147,14 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
     try:
         plan = make_plan(ds, variables, levels, valid_start=valid_start, valid_fraction=valid_fraction,
                          members=members, trim_to_multiple=trim_to_multiple, select=select)
+        static = read_static_fields(ds, static_variables, plan)  # small, and checked before anything is written
         new_dirs = [d for d in (Path(out_dir), *(Path(out_dir) / s for s in (*layout.SPLITS, layout.STATS)))
                     if not d.exists()]
         out = layout.prepare_output_dir(out_dir, overwrite)
         try:
             stats, with_clim = _write_files(ds, plan, out, verbose)
+            if static:
+                write_static_file(out, static, plan.latitude, plan.longitude)
         except BaseException:
             # a half-written dataset without stats would mislead the loader: remove it, and the folders made for it
             layout.prepare_output_dir(out, overwrite=True)
@@ -156,13 +164,13 @@ def convert(input_path: str | Path, out_dir: str | Path, variables: Sequence[str
             raise
     finally:
         ds.close()
-    summary = _summary(plan, stats, input_path, out, with_clim)
+    summary = _summary(plan, stats, input_path, out, with_clim, static)
     if verbose:
         print(format_summary(summary))
     return summary
 
 
-def _summary(plan: Plan, stats: dict, input_path, out: Path, with_clim: bool) -> dict:
+def _summary(plan: Plan, stats: dict, input_path, out: Path, with_clim: bool, static: list[StaticField]) -> dict:
     files = {s: [(f.name, int(f.times.size)) for f in plan.files if f.split == s] for s in layout.SPLITS}
     return {
         "input": str(input_path), "out": str(out),
@@ -175,7 +183,7 @@ def _summary(plan: Plan, stats: dict, input_path, out: Path, with_clim: bool) ->
         "time_range": {s: (plan.times[min(f.times[0] for f in plan.files if f.split == s)].isoformat(),
                            plan.times[max(f.times[-1] for f in plan.files if f.split == s)].isoformat())
                        for s in layout.SPLITS},
-        "stats": stats, "notes": plan.notes,
+        "stats": stats, "notes": plan.notes, "static": {f.name: (f.mean, f.std, f.units) for f in static},
     }
 
 
@@ -207,4 +215,6 @@ def format_summary(summary: dict) -> str:
     lines.append(f"climatology: {layout.STATS}/{layout.CLIMATOLOGY} (day of year and hour of day)"
                  if summary["climatology"] else "climatology: skipped (too large to accumulate in memory); run "
                                                 f"python -m tools.make_climatology {summary['out']}")
+    if summary.get("static"):
+        lines.append(format_static(summary["static"]))
     return "\n".join(lines)
