@@ -96,9 +96,6 @@ TIME_MEANS = "time_means.npy"
 STATS_FILES = (GLOBAL_MEANS, GLOBAL_STDS, TIME_MEANS)
 
 
-STATIC = "static.h5"  # optional, <data_path>/static.h5: static input fields (land-sea mask, orography)
-
-
 CLIMATOLOGY = "climatology.h5"  # optional: by day of year and hour of day (utils/data/climatology.py)
 
 
