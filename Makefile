@@ -16,7 +16,8 @@ ERA5_SAMPLE_ARGS ?=
 UK_SAMPLE_GRIB ?= samples/era5-2mt-2019-03-uk.grib
 # more train.py flags for it, e.g. make uk_sample UK_SAMPLE_ARGS="--num_iters 400"
 UK_SAMPLE_ARGS ?=
-# its run: runs/era5_uk/1CPU/uk (1GPU on a GPU); a fixed name, so that evaluate.py finds it
+# its run: runs/era5_uk/1CPU/uk (1GPU on a GPU); a fixed name, so that evaluate.py finds it (run again, it is
+# complete and only evaluated; other UK_SAMPLE_ARGS that change the training need another UK_RUN_NUM)
 UK_RUN_NUM ?= uk
 
 .PHONY: setup train test data era5_sample uk_sample clean
