@@ -23,8 +23,10 @@ import torch
 
 from utils.config.schema import DataConfig
 from utils.core.errors import UserError
+from utils.data.forcings import calendar_clock, check_forcing_names, forcing_fields
 from utils.data.layout import STATIC, resolve_data_path
 from utils.data.metadata import equiangular_latitudes
+from utils.data.static import read_static
 from utils.data.timestep import TimeStep
 
 # forcings that depend on the valid time (the others depend on the grid only)
