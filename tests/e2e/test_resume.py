@@ -45,10 +45,15 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, 
         assert all(p[0] == 0 and "is complete (24 iterations)" in p[1] for p in rerun)
 
 
-def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("inputs", [[], ["--forcings", "[cos_solar_zenith_angle,sin_local_time,cos_local_time]",
+                                          "--residual", "true"]], ids=["state only", "forcings"])
+def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory,
+                                                                       inputs):
     """K rises 1 -> 2 -> 3 at iterations 6 and 12: killed after 13 (checkpoint at 10, K 2), the same command
-    continues the curriculum across the raise at 12 to bitwise the uninterrupted run."""
-    curriculum = ["--rollout_max_steps", "3", "--rollout_raise_every", "6", "--rollout_checkpointing", "true"]
+    continues the curriculum across the raise at 12 to bitwise the uninterrupted run (with forcings too: each of the
+    K applications reads those of its own valid time, recomputed after the restart)."""
+    curriculum = ["--rollout_max_steps", "3", "--rollout_raise_every", "6", "--rollout_checkpointing", "true",
+                  *inputs]
     whole = reference_run(tmp_path_factory, tiny_data, curriculum, 1)
     cut = tmp_path / "cut"
     run_job(cut, tiny_data, curriculum, 1, signal_at=13)
