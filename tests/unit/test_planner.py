@@ -171,3 +171,17 @@ def test_the_plan_measures_k_rollout_steps_and_per_step_checkpointing():
     one, four = activations(), activations("--train_rollout_steps", "4")
     checkpointed = activations("--train_rollout_steps", "4", "--rollout_checkpointing", "true")
     assert four > 3 * one and checkpointed < 1.5 * one, (one, four, checkpointed)
+
+
+def test_the_plan_counts_the_forcing_and_static_channels():
+    """Forcings and static fields widen the model's input: the dry run steps them (nominal times, random static
+    fields) and the patch embedding's parameters and the activations grow with them."""
+    def plan(*args):
+        cfg = config("--fsdp", "zero3", "--simulate_world_size", "2", *args)
+        return dry_run(cfg, LaunchEnv())[0].parts
+    base = plan()
+    wide = plan("--forcings", "[cos_solar_zenith_angle,sin_local_time,cos_local_time,sin_latitude]",
+                "--static_fields", "[lsm,z]")
+    # rank 0's ZeRO-3 share of the patch embedding weight: 64 x (C x 4 x 4) floats, C 4 -> 10
+    assert wide["parameters"] - base["parameters"] == 4 * 64 * 6 * 16 // 2
+    assert wide["activations"] > base["activations"]

@@ -61,6 +61,7 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
     """One rank's plan from two steps on fake tensors (the second tracked, with Adam's state made by the first)."""
     local, global_batch = batch_sizes(cfg.optim, world.dp)
     model = meta_model(cfg, world)
+    indices = torch.arange(local)  # real: the forcings read the sample indices on the host
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=world.device)
         if world.ddp:  # DDP's reducer needs real tensors: stepped unwrapped (see meta_model)
@@ -69,8 +70,7 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
         step = training_step(cfg, world, model, nominal_forcings(cfg.data, DEFAULT_STEP_HOURS, world.device))
         k = max_rollout_steps(cfg.optim)  # the step runs the run's largest K (training/loop/step.py)
         dev = world.device  # the model's device: a dry run on a GPU machine steps fake CUDA tensors
-        batch = (torch.randn(local, c, h, w, device=dev), torch.randn(local, k, c, h, w, device=dev),
-                 torch.arange(local, device=dev))
+        batch = (torch.randn(local, c, h, w, device=dev), torch.randn(local, k, c, h, w, device=dev), indices)
         plan = tracked_plan(cfg, world, step, itertools.repeat(batch), local, global_batch)
     plan.notes.append("estimated: fake tensors (exact shapes and dtypes; no allocator rounding, cache or "
                       "fragmentation; CPU autocast; eager); nothing searched: run the planner on a GPU for the "

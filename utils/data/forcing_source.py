@@ -154,9 +154,8 @@ def nominal_forcings(cfg: DataConfig, step_hours: float, device, seed: int = 0) 
     start = cftime.datetime.strptime(NOMINAL_START, "%Y-%m-%dT%H:%M:%S", calendar="standard")
     step = TimeStep.from_hours(step_hours)
     static = None
-    if cfg.static_fields:
-        gen = torch.Generator().manual_seed(seed + 7)
-        static = torch.randn(len(cfg.static_fields), h, w, generator=gen).numpy()
+    if cfg.static_fields:  # numpy's generator: the planner's dry run builds this under a fake-tensor mode
+        static = np.random.default_rng(seed).standard_normal((len(cfg.static_fields), h, w), dtype=np.float32)
     return InputForcings(cfg.forcings, equiangular_latitudes(h), np.linspace(0, 360, w, endpoint=False), static,
                          lambda i, j: step.add(start, i + (j + 1) * dt), device)
 
