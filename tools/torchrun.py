@@ -39,7 +39,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, run_cli  # noqa: E402
+from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, note_repeated, option_values, run_cli  # noqa: E402
 
 # torchrun's agent keeps its own handlers for these only
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
@@ -116,6 +116,7 @@ def launch(argv: list[str]) -> int:
 
     parser = get_args_parser()
     parser.allow_abbrev = False  # as every command line of the project: --nproc is not --nproc_per_node
+    note_repeated(option_values(parser, argv))  # as every command line of the project: the last value is used
     args = parser.parse_args([f"--signals_to_handle={AGENT_SIGNALS}", *argv])
     if args.standalone:  # as torchrun does it: a one-node job on a local rendezvous
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", f"standalone-{os.getpid()}"

@@ -165,7 +165,14 @@ LAUNCH = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127
 CASES = [
     # ---- config: keys, types, ranges, cross-field checks
     Case("unknown key", ["--lrr", "1e-3"], ["unknown config key --lrr", "did you mean lr"]),
-    Case("unknown config", ["--config", "tinyy"], ["'tinyy' not in", "did you mean tiny"]),
+    Case("unknown config", ["--config", "tinyy"], ["'tinyy' not in", "did you mean tiny",
+                                                   "(python train.py --list-configs lists them all)"]),
+    Case("value that looks like an option", ["--run_num", "-x"], ["--run_num -x: '-x' looks like an option"]),
+    Case("key without its value", ["--run_num", "--lr", "1e-3"], ["--run_num needs a value: --run_num STR"]),
+    Case("run_num not starting with a letter or digit", ["--run_num=-x"], ["starts with a letter or digit"]),
+    Case("integer with an underscore", ["--num_iters", "1_0"], ["--num_iters expects an integer in plain decimal"]),
+    Case("evaluate.py's option", ["--lead_steps", "0"], ["--lead_steps is an option of evaluate.py",
+                                                          "--valid_rollout_steps"]),
     Case("wrong type", ["--num_iters", "many"], ["--num_iters expects an integer"]),
     Case("bad bool", ["--enable_fused", "maybe"], ["--enable_fused expects true or false"]),
     Case("bad choice", ["--amp_mode", "fp4"], ["--amp_mode must be one of none, fp16, bf16, bf16_pure, fp8"]),
@@ -223,6 +230,8 @@ CASES = [
     Case("duplicated key in a merged config", [], ["key 'lr' repeats the one on line 5"],
          spoil=_yaml("b: &b\n  depth: 2\na:\n  <<: *b\n  lr: 1.0e-3\n  lr: 2.0e-3\n")),
     Case("unknown key in YAML", [], ["config a: unknown config key depht"], spoil=_yaml("a:\n  depht: 3\n")),
+    Case("hexadecimal number in YAML", [], ["config a: lr expects a number in plain decimal digits", "'0x10'"],
+         spoil=_yaml("a:\n  lr: 0x10\n")),
     Case("UTF-16 YAML", [], ["is UTF-16 text; save it as UTF-8"], spoil=_yaml_bytes("a:\n  lr: 1\n".encode("utf-16"))),
     Case("binary YAML", [], ["is not UTF-8 text", "save it as UTF-8"], spoil=_yaml_bytes(bytes(range(256)) * 4)),
     Case("YAML with NUL bytes", [], ["contains NUL bytes"], spoil=_yaml_bytes(b"a:\n  lr: 1\x00\n")),
@@ -352,6 +361,20 @@ def test_bad_input_is_one_line(case, tiny_data, tmp_path):
 
 def test_table_is_large_enough():
     assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("entry,args,note,status", [
+    ("train.py", ["--lr", "1e-3", "--lr", "2e-3", "--print-config"], "--lr given twice (1e-3, then 2e-3); using 2e-3", 0),
+    ("evaluate.py", ["--run_dir", "nowhere", "--lead_steps", "4", "--lead_steps", "2"],
+     "--lead_steps given twice (4, then 2); using 2", 2),
+    ("tools.compare_runs", ["--expdir", "a", "--expdir=nowhere"], "--expdir given twice (a, then nowhere); using nowhere",
+     2),
+])
+def test_an_option_given_twice_is_one_note_naming_the_value_used(tmp_path, entry, args, note, status):
+    proc = run_entry(entry, args, tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == status and lines[0] == f"note: {note}", proc.stderr
+    assert len(lines) == (2 if status else 1) and "Traceback" not in proc.stderr, proc.stderr  # then its error, if any
 
 
 # ---------------------------------------------------------------- errors on every rank

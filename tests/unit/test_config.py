@@ -284,7 +284,16 @@ def test_unknown_config_name():
         load("tinyy")
     msg = str(exc.value)
     assert "did you mean tiny" in msg
-    assert "available:" in msg and "vit_2b" in msg
+    assert "(python train.py --list-configs lists them all)" in msg and "vit_2b" not in msg
+
+
+def test_unknown_config_name_of_a_large_file_names_the_nearest_few(tmp_path):
+    path = _yaml(tmp_path, "".join(f"run{i:05d}:\n  lr: 1.0e-3\n" for i in range(10_000)))
+    with pytest.raises(UserError) as exc:
+        load_config(path, "run0042")
+    msg = str(exc.value)  # not every name (89 KB): the nearest three and how to list the rest
+    assert len(msg) < 300 and msg.count("run0") == 4, msg
+    assert f"(python train.py --list-configs --yaml_config {path} lists them all)" in msg
 
 
 def test_missing_yaml_file(tmp_path):
@@ -415,6 +424,20 @@ def test_types_come_from_the_schema_not_the_yaml_spelling(tmp_path):
     assert type(load_config(path, "a").optim.max_grad_norm) is float
 
 
+def test_numbers_are_decimal_and_other_spellings_stay_text(tmp_path):
+    path = _yaml(tmp_path, "a:\n  lr: 1.0e-3\n  num_iters: 1e3\n  depth: +3\n  seed: 007\n  run_num: 0x10\n")
+    cfg = load_config(path, "a")
+    assert (cfg.optim.lr, cfg.optim.num_iters, cfg.model.depth, cfg.optim.seed) == (1e-3, 1000, 3, 7)
+    assert cfg.logging.run_num == "0x10"  # a string key keeps the text as written, not "16"
+    for raw in ("0x10", "1_0", "0b11", "0o17"):  # the command line as the YAML
+        with pytest.raises(UserError, match="in plain decimal digits"):
+            load_cfg(num_iters=raw)
+    with pytest.raises(UserError, match=r"--img_size expects an integer in plain decimal digits"):
+        load_cfg(img_size="[0x20,64]")
+    with pytest.raises(UserError, match=r"config a: lr expects a finite number"):  # YAML's own NaN
+        load_config(_yaml(tmp_path, "a:\n  lr: .nan\n"), "a")
+
+
 def test_keys_left_out_of_the_yaml_take_the_schema_default(tmp_path):
     cfg = load_config(_yaml(tmp_path, "a:\n  depth: 3\n"), "a")
     assert cfg.model.depth == 3 and cfg.model.embed_dim == 384 and cfg.parallel.rendezvous_timeout_s == 300.0
@@ -428,7 +451,13 @@ def test_keys_left_out_of_the_yaml_take_the_schema_default(tmp_path):
     ("a:\n  depht: 3\n", r"config a: unknown config key depht; did you mean depth"),
     ("a:\n  depth: 0\n", r"--depth must be >= 1, got 0"),
     # a key repeated inside a config that also uses a merge key: YAML would keep the last silently
-    ("b: &b\n  depth: 2\na:\n  <<: *b\n  lr: 1.0e-3\n  lr: 2.0e-3\n", r"line 6: key 'lr' repeats the one on line 5"),
+    ("b: &b\n  depth: 2\na:\n  <<: *b\n  lr: 1.0e-3\n  lr: 2.0e-3\n", r"line 6: key 'lr' repeats the one on line 5"),    # numbers that YAML (and Python) read in other bases or with underscores: lr 0x10 would train at 16
+    ("a:\n  lr: 0x10\n", r"config a: lr expects a number in plain decimal digits \(FLOAT\), got '0x10'"),
+    ("a:\n  num_iters: 0b11\n", r"config a: num_iters expects an integer in plain decimal digits"),
+    ("a:\n  num_iters: 1_0\n", r"config a: num_iters expects an integer in plain decimal digits"),
+    ("a:\n  img_size: [0o40, 64]\n", r"config a: img_size expects an integer in plain decimal digits"),
+    ("a:\n  lr: 1_0.5\n", r"config a: lr expects a number in plain decimal digits"),
+    ("a:\n  lead_steps: 4\n", r"config a: --lead_steps is an option of evaluate.py .*--valid_rollout_steps"),
 ])
 def test_bad_yaml_values_name_file_config_and_key(tmp_path, text, pattern):
     with pytest.raises(UserError, match=pattern):
@@ -443,9 +472,49 @@ def test_every_named_config_has_its_own_one_line_description():
         assert own.get("description") and "\n" not in own["description"], name
 
 
-def test_an_option_given_twice_takes_the_last_value():
+def test_an_option_given_twice_takes_the_last_value_and_says_so(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
     # submit_pm.sh passes --data_path/--expdir defaults before the user's arguments
     assert parse_overrides(["--lr", "1", "--expdir", "a", "--lr=2"]) == {"lr": "2", "expdir": "a"}
+    assert capsys.readouterr().err == "note: --lr given twice (1, then 2); using 2\n"
+    parse_overrides(["--lr", "1", "--local-batch-size", "2", "--local_batch_size", "4", "--lr", "1"])
+    assert capsys.readouterr().err == "note: --local_batch_size given twice (2, then 4); using 4\n"  # lr: same value
+    monkeypatch.setenv("RANK", "1")  # rank 0 speaks for the job
+    parse_overrides(["--lr", "1", "--lr", "2"])
+    assert capsys.readouterr().err == ""
+
+
+def test_the_tools_parsers_say_which_of_repeated_values_they_use(capsys, monkeypatch):
+    """One mechanism for every command line: the project's ArgumentParser (evaluate.py, tools.*) and torchrun's."""
+    from torch.distributed.run import get_args_parser
+
+    from training.evaluation.evaluate_run import build_parser
+    from utils.core.errors import note_repeated, option_values
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    args = build_parser().parse_args(["--run_dir", "r", "--lead_steps", "4", "--lead_steps=2", "--save_forecasts",
+                                      "--save_forecasts"])
+    assert args.lead_steps == 2
+    assert capsys.readouterr().err == "note: --lead_steps given twice (4, then 2); using 2\n"
+    torchrun = ["--nproc_per_node", "2", "--nproc-per-node", "4", "train.py", "--nproc_per_node", "8"]
+    assert option_values(get_args_parser(), torchrun) == {"--nproc-per-node": ["2", "4"]}  # not train.py's
+    note_repeated({"--x": ["1", "2", "3"]})
+    assert capsys.readouterr().err == "note: --x given 3 times (1, then 2, then 3); using 3\n"
+
+
+def test_a_value_that_looks_like_an_option_is_an_error():
+    with pytest.raises(UserError, match=r"--run_num -x: '-x' looks like an option, not a value"):
+        parse_overrides(["--run_num", "-x"])
+    with pytest.raises(UserError, match=r"--run_num needs a value: --run_num STR"):
+        parse_overrides(["--run_num", "--lr", "1e-3"])  # was a run named "true"
+    with pytest.raises(UserError, match=r"--depth needs a value: --depth INT"):
+        parse_overrides(["--depth"])
+    assert parse_overrides(["--lr", "-1", "--seed", "-1e3", "--enable_jit", "--memory_snapshot_on_oom"]) == {
+        "lr": "-1", "seed": "-1e3", "enable_jit": "true", "memory_snapshot_on_oom": "true"}  # numbers, flags
+    for run_id in ("-x", ".x", "_x"):
+        with pytest.raises(UserError, match="must be a plain name that starts with a letter or digit"):
+            validate(load_cfg("tiny", run_num=run_id), Launch())
 
 
 # ---------------------------------------------------------------- cross-field validation

@@ -34,9 +34,6 @@ def cli_config(argv: list[str], default_config: str, prog: str = "train.py") -> 
         print(key_help(topic.lstrip("-").replace("-", "_"), yaml_path) if topic else full_help(prog, default_config))
         return None
     flags = {a for a in ("--list-configs", "--list_configs", "--print-config", "--print_config") if a in argv}
-    for i, arg in enumerate(argv):  # a bare flag means true, which names no config or file
-        if arg in ("--config", "--yaml_config", "--yaml-config") and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            raise UserError(f"{arg} needs a value: {arg} {'NAME' if arg == '--config' else 'FILE'}")
     overrides = parse_overrides([a for a in argv if a not in flags])
     yaml_path = overrides.pop("yaml_config", DEFAULT_YAML)
     name = overrides.pop("config", default_config)

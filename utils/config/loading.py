@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from utils.config.schema import KEYS, SECTIONS, Config
-from utils.config.types import check_value, coerce, type_name
-from utils.core.errors import UserError, closest
+from utils.config.types import check_value, coerce, safe_yaml, type_name
+from utils.core.errors import UserError, closest, note_repeated
 from utils.core.files import check_output_path, read_bounded
 
 DEFAULT_YAML = "config/ViT.yaml"
@@ -34,7 +34,6 @@ def read_yaml(path: str | Path, follow: bool = True) -> dict[str, dict]:
             contains itself, a key repeated inside one mapping (which YAML merge keys would otherwise resolve
             silently), or a document that is not ``name: {setting: value}`` with names.
     """
-    from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
     path = Path(path)
     if not path.is_file() and not path.is_absolute() and (REPO / path).is_file():
@@ -42,7 +41,7 @@ def read_yaml(path: str | Path, follow: bool = True) -> dict[str, dict]:
     if not os.path.lexists(path):
         raise UserError(f"config file {path} not found; pass --yaml_config config/ViT.yaml")
     text = _read_text(path, follow)
-    yaml = YAML(typ="safe", pure=True)
+    yaml = safe_yaml()  # numbers in decimal digits only: lr: 0x10 is not 16
     try:
         _check_depth(yaml.parse(text), path)
         _reject_duplicate_keys(yaml.compose(text), path, set(), ())
@@ -144,7 +143,7 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
     configs = read_yaml(yaml_path)
     if name not in configs:
         raise UserError(f"config {name!r} not in {yaml_path}{closest(name, configs)} "
-                        f"(available: {', '.join(configs)})")
+                        f"({list_configs_command(yaml_path)} lists them all)")
     cfg = Config(name=name, yaml_config=str(yaml_path))
     for key, raw in configs[name].items():
         _set(cfg, key, raw, f"{yaml_path}, config {name}: ")
@@ -160,6 +159,13 @@ def load_config(yaml_path: str | Path, name: str, overrides: dict[str, Any] | No
     return cfg
 
 
+def list_configs_command(yaml_path: str | Path) -> str:
+    """The command that lists the configs of ``yaml_path`` (an error names it rather than every config: a file
+    may hold thousands)."""
+    default = Path(yaml_path) in (Path(DEFAULT_YAML), REPO / DEFAULT_YAML)
+    return "python train.py --list-configs" + ("" if default else f" --yaml_config {yaml_path}")
+
+
 def configs_for_data(yaml_path: str | Path, data_path: str) -> list[str]:
     """The named configs of ``yaml_path`` whose ``data_path`` is ``data_path`` (as paths: ``./data/x`` is
     ``data/x``); none when the file cannot be read."""
@@ -170,7 +176,19 @@ def configs_for_data(yaml_path: str | Path, data_path: str) -> list[str]:
     return [n for n, c in configs.items() if "data_path" in c and Path(str(c["data_path"])) == Path(data_path)]
 
 
+# evaluate.py's options, which a training command is sometimes given: where training has the like (the nearest
+# config key by spelling, --lead_steps -> tune_steps, would mislead)
+EVALUATE_OPTIONS = {"lead_steps": "train.py's validation scores N leads with --valid_rollout_steps N",
+                    "init_every": "train.py's validation starts forecasts at every n-th time step with "
+                                  "--valid_init_every N",
+                    "run_dir": "train.py names its run with --run_num NAME under --expdir",
+                    "save_forecasts": "train.py writes no forecasts"}
+
+
 def _set(cfg: Config, key: str, raw: Any, where: str) -> None:
+    if key in EVALUATE_OPTIONS:
+        raise UserError(f"{where}--{key} is an option of evaluate.py (python evaluate.py --help lists them), not a "
+                        f"config key; {EVALUATE_OPTIONS[key]}")
     if key not in KEYS:
         raise UserError(f"{where}unknown config key {'--' if not where else ''}{key}{closest(key, KEYS)} "
                         "(python train.py --help lists the keys)")
@@ -206,13 +224,15 @@ def show_value(value: Any, limit: int = 80) -> str:
 def parse_overrides(argv: list[str]) -> dict[str, str]:
     """``["--lr", "1e-3", "--enable_fused", "--x=y"]`` -> ``{"lr": "1e-3", "enable_fused": "true", "x": "y"}``.
 
-    A key given twice takes its last value, so a launcher's defaults (``submit_pm.sh`` passes
-    ``--data_path`` and ``--expdir`` first) can be overridden by the arguments after them.
+    A key given twice takes its last value, so a launcher's defaults (``submit_pm.sh`` passes ``--data_path`` and
+    ``--expdir`` first) can be overridden by the arguments after them; a note on stderr names the values when they
+    differ (:func:`utils.core.errors.note_repeated`).
 
     Raises:
-        UserError: an argument that is not an option.
+        UserError: an argument that is not an option, a value that looks like an option (``--run_num -x``), or a
+            bare ``--key`` of a key that is not true/false (``--run_num --lr 1e-3``).
     """
-    out: dict[str, str] = {}
+    given: dict[str, list[str]] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -222,13 +242,51 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
         name = name.replace("-", "_")
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value = argv[i + 1]
+                value = _option_value(name, argv[i + 1])
                 i += 1
             else:
-                value = "true"
-        out[name] = value
+                value = _bare_flag(name)
+        given.setdefault(f"--{name}", []).append(value)
         i += 1
-    return out
+    note_repeated(given)
+    return {flag[2:]: values[-1] for flag, values in given.items()}
+
+
+PLACEHOLDERS = {"config": "NAME", "yaml_config": "FILE"}  # the command line's own options, not config keys
+
+
+def _placeholder(name: str) -> str:
+    """What ``--name`` takes, for a message: ``NAME``, ``INT``, ``[INT,INT]``..."""
+    return PLACEHOLDERS.get(name) or (type_name(KEYS[name].type) if name in KEYS else "VALUE")
+
+
+def _option_value(name: str, text: str) -> str:
+    """``text``, the argument after ``--name``, as its value. Raises UserError when it looks like an option
+    (``-x``; a negative number is a value): a forgotten value would otherwise name a run ``-x``."""
+    if text.startswith("-"):
+        try:
+            float(text)
+        except ValueError:
+            raise UserError(f"--{name} {text}: {text!r} looks like an option, not a value; give --{name} its value "
+                            f"(--{name} {_placeholder(name)})") from None
+    return text
+
+
+def _bare_flag(name: str) -> str:
+    """``"true"`` for ``--name`` without a value: a true/false key's flag (an unknown key too, whose error names
+    the closest keys). Raises UserError for any other key: a run would be named ``true``."""
+    spec = KEYS.get(name)
+    if name in PLACEHOLDERS or (spec is not None and not _takes_true(spec.type)):
+        raise UserError(f"--{name} needs a value: --{name} {_placeholder(name)}")
+    return "true"
+
+
+def _takes_true(tp: Any) -> bool:
+    """Whether a key of type ``tp`` reads ``"true"`` as True (``bool``, ``Optional[bool]``)."""
+    try:
+        return coerce("true", tp) is True
+    except ValueError:
+        return False
 
 
 def to_yaml(cfg: Config, exclude: tuple[str, ...] = ()) -> str:

@@ -8,6 +8,8 @@ writes the type for ``--help``. Nothing here knows the project's keys (``utils/c
 
 from __future__ import annotations
 
+import functools
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -145,16 +147,68 @@ def _coerce_tuple(raw: Any, args: tuple) -> tuple:
 
 def _parse_list(text: str) -> list:
     """``"[360,720]"``, ``"360,720"``, ``"[t850, z500]"`` or ``"[]"`` -> list of YAML scalars."""
-    from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
     text = text.strip()
     try:
-        value = YAML(typ="safe", pure=True).load(text if text.startswith("[") else f"[{text}]")
+        value = safe_yaml().load(text if text.startswith("[") else f"[{text}]")
     except YAMLError:
         raise ValueError("expects a list like [a,b]") from None
     if not isinstance(value, list):
         raise ValueError("expects a list like [a,b]")
     return value
+
+
+# A number as the config takes it, on the command line and in YAML alike: decimal digits with an optional sign,
+# point and exponent. Python's int()/float() and YAML also read 0x10, 0b11, 0o17 and 1_0, which would silently
+# give another value than the one meant (lr: 0x10 is 16).
+DECIMAL = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+NON_FINITE = ("nan", "inf", "infinity", ".nan", ".inf")  # read as numbers, so that the check says "finite"
+
+
+def safe_yaml():
+    """A safe, pure-Python ruamel.yaml reader whose numbers are decimal only: a scalar YAML would read as an
+    integer or float in another spelling (``0x10``, ``0b11``, ``1_0``) stays the text it is, which a number key
+    refuses and a string key keeps as written."""
+    from ruamel.yaml import YAML
+    yaml = YAML(typ="safe", pure=True)
+    yaml.Constructor = _decimal_constructor()
+    return yaml
+
+
+@functools.cache
+def _decimal_constructor() -> type:
+    """ruamel.yaml's safe constructor with :func:`_decimal` numbers (made on first use: ruamel is imported only by
+    the commands that read YAML)."""
+    from ruamel.yaml.constructor import SafeConstructor
+
+    class DecimalConstructor(SafeConstructor):
+        def construct_yaml_int(self, node):
+            return super().construct_yaml_int(node) if _decimal(node.value) else self.construct_scalar(node)
+
+        def construct_yaml_float(self, node):
+            return super().construct_yaml_float(node) if _decimal(node.value) else self.construct_scalar(node)
+
+    DecimalConstructor.add_constructor("tag:yaml.org,2002:int", DecimalConstructor.construct_yaml_int)
+    DecimalConstructor.add_constructor("tag:yaml.org,2002:float", DecimalConstructor.construct_yaml_float)
+    return DecimalConstructor
+
+
+def _decimal(text: str) -> bool:
+    """Whether ``text`` spells a number in decimal digits (or NaN/infinity: see :data:`NON_FINITE`)."""
+    text = text.strip()
+    return DECIMAL.fullmatch(text) is not None or text.lower().lstrip("+-") in NON_FINITE
+
+
+def _check_decimal(raw: Any, expected: str) -> None:
+    """Raise ValueError when the string ``raw`` is not a decimal number, saying so when Python would have read it
+    as one in another base or with underscores."""
+    if not isinstance(raw, str) or _decimal(raw):
+        return
+    try:
+        int(raw.strip(), 0) if "." not in raw else float(raw)
+    except ValueError:
+        raise ValueError(f"expects {expected}") from None
+    raise ValueError(f"expects {expected} in plain decimal digits")
 
 
 def _coerce_scalar(raw: Any, tp: type) -> Any:
@@ -173,6 +227,7 @@ def _coerce_scalar(raw: Any, tp: type) -> Any:
         return str(raw)
     if isinstance(raw, bool) or isinstance(raw, (list, dict)):
         raise ValueError(f"expects {'an integer' if tp is int else 'a number'}")
+    _check_decimal(raw, "an integer" if tp is int else "a number")
     if tp is int:
         return _coerce_int(raw)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import os
 import sys
 from typing import Callable
@@ -123,12 +124,49 @@ def closest(name: str, valid) -> str:
     return f"; did you mean {', '.join(near)}?" if near else ""
 
 
+def note_repeated(given: dict[str, list[str]]) -> None:
+    """One ``note:`` line on stderr for each option given more than once with different values (``given``: option ->
+    its values in order), since only the last is used: ``note: --lr given twice (1e-3, then 2e-3); using 2e-3``. Rank
+    0 of a launched job speaks for every rank (they parse the same command line); before any process group exists
+    the launcher's variables say which rank this is."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return
+    for flag, values in given.items():
+        if len(set(values)) > 1:
+            times = "twice" if len(values) == 2 else f"{len(values)} times"
+            print(f"note: {flag} given {times} ({', then '.join(values)}); using {values[-1]}", file=sys.stderr,
+                  flush=True)
+
+
+def option_values(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, list[str]]:
+    """The values each option of ``parser`` that keeps one value (``store``, torchrun's ``env``) takes in ``argv``, in
+    order, by its longest name: what :func:`note_repeated` reads. Flags, ``append`` and ``count`` options are left
+    out (a repeat adds, or sets the same value); so is everything after the first positional argument of a parser
+    whose positional takes the rest (torchrun's script and its arguments)."""
+    rest = any(a.nargs == argparse.REMAINDER for a in parser._actions if not a.option_strings)
+    given: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv) and argv[i] != "--" and not (rest and not argv[i].startswith("-")):
+        flag, eq, value = argv[i].partition("=")
+        action = parser._option_string_actions.get(flag)
+        i += 1
+        if action is None or action.nargs == 0 or isinstance(action, argparse._AppendAction):
+            continue  # a positional, a flag, help, or an option whose repeats add up
+        if not eq:  # the value is the next arguments: one, or as many as nargs takes, up to the next option
+            count = action.nargs if isinstance(action.nargs, int) else 1 if action.nargs in (None, "?") else len(argv)
+            taken = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i:i + count]))
+            value, i = " ".join(taken), i + len(taken)
+        given.setdefault(max(action.option_strings, key=len), []).append(value)
+    return given
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The parser of every command line but the config's: an ``argparse.ArgumentParser`` that takes no
     abbreviated option (``--lead_step`` is not ``--lead_steps``: an abbreviation would silently change when an
     option is added) and whose errors are one line like every other bad input: ``error: <message>; see --help``
     on stderr and exit status 2, naming the closest options of an unknown one, as ``train.py`` does (argparse's
-    own prints a usage line first, and its ``prog: error:`` prefix differs from the entry points')."""
+    own prints a usage line first, and its ``prog: error:`` prefix differs from the entry points'); an option given
+    twice with different values takes the last with a note saying so (:func:`note_repeated`), as ``train.py``'s."""
 
     def __init__(self, *args, **kwargs):
         self.argv: list[str] = []
@@ -136,6 +174,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.argv = list(sys.argv[1:] if args is None else args)
+        note_repeated(option_values(self, self.argv))
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):

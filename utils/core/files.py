@@ -37,8 +37,9 @@ PATH_MAX = 4096  # bytes in a whole path (Linux)
 def check_output_path(flag: str, value: str | Path, name: bool = False) -> Path:
     """``value`` as a path to write to, checked before anything is written.
 
-    ``flag`` names the option in the message (``--expdir``); with ``name``, ``value`` must be one file name (no
-    ``/``, not ``.`` or ``..``), as ``--run_num`` is.
+    ``flag`` names the option in the message (``--expdir``); with ``name``, ``value`` must be one file name that
+    starts with a letter or digit (no ``/``; not ``.``, ``..``, a hidden name or one that reads as an option), as
+    ``--run_num`` is.
 
     Raises:
         UserError: an empty value, control characters (a newline pasted into a job script), a name longer than
@@ -51,8 +52,8 @@ def check_output_path(flag: str, value: str | Path, name: bool = False) -> Path:
     if bad is not None:
         raise UserError(f"{flag} {text!r} contains the control character {bad!r}; pass a {'name' if name else 'path'} "
                         "without it")
-    if name and (text in (".", "..") or "/" in text or "\\" in text):
-        raise UserError(f"{flag} {text!r} must be a plain name like 00 or lr1e-3")
+    if name and (not text[0].isalnum() or "/" in text or "\\" in text):  # not -x (an option), .hidden, . or ..
+        raise UserError(f"{flag} {text!r} must be a plain name that starts with a letter or digit, like 00 or lr1e-3")
     long = next((part for part in Path(text).parts if len(part.encode()) > NAME_MAX), None)
     if long is not None:
         raise UserError(f"{flag}: the name {long[:40]!r}... is {len(long.encode())} bytes, longer than the "
