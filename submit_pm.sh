@@ -18,6 +18,7 @@
 #   ENABLE_PROFILING=1 PROFILE_OUTPUT=bs64 sbatch submit_pm.sh --config=bs64_opt
 #   sbatch submit_pm.sh --tune --config=short     the batch-size tuner (tools/tune_batch_size.py)
 #                                                 instead of train.py, on the same layout
+#   bash submit_pm.sh --help                      this text (python train.py --help lists train.py's keys)
 #
 # Every argument after the script name (and after --tune) goes to train.py, AFTER the defaults
 # `--data_path "$DATA_DIR" --expdir "$LOG_DIR"`, so e.g. `--data_path /x` wins.
@@ -68,6 +69,15 @@
 # Same via environment: SBATCH_CONSTRAINT= SBATCH_GPUS_PER_NODE=0 sbatch ... submit_pm.sh ...
 # Add --overcommit when the node has fewer CPUs than tasks (else the job stays PENDING).
 set -euo pipefail
+
+# ---- --help: this header (forwarded, --help would reach srun, which fails outside a job) ----
+for arg in "$@"; do
+    if [[ "${arg}" == --help || "${arg}" == -h ]]; then
+        # the comment block from "Launch train.py" to the code, without the comment marks
+        sed -n '/^# Launch train.py/,/^set -euo pipefail/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+        exit 0
+    fi
+done
 
 # ---- optional site setup (modules etc.) --------------------------------------
 # Typical Perlmutter setups (or set SETUP_CMD / SHIFTER_IMAGE instead of editing):

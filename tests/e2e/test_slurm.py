@@ -349,6 +349,16 @@ def test_submit_dry_run_argument_order(tmp_path):
                     "--config=tiny --data_path /mine a\\ b")
 
 
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["--config=tiny", "--help"]])
+def test_submit_help_prints_the_usage_and_exits_0(tmp_path, args):
+    """Not forwarded to srun, which fails outside a job."""
+    res = subprocess.run(["bash", str(SUBMIT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=_clean_env(REPO_DIR=str(REPO)))
+    assert res.returncode == 0 and res.stderr == "", res.stdout + res.stderr
+    assert res.stdout.startswith("Launch train.py with one task per GPU"), res.stdout
+    assert "  sbatch submit_pm.sh --config=short\n" in res.stdout and "command:" not in res.stdout
+
+
 def test_submit_dry_run_profiling_and_container(tmp_path):
     line = _dry_run(tmp_path, "--config=short", ENABLE_PROFILING="1", PROFILE_OUTPUT="p1",
                     SHIFTER_IMAGE="img:1", SLURM_CPUS_PER_TASK="32")
