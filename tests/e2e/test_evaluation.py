@@ -33,7 +33,7 @@ from torch import nn
 from tests.dist_utils import launch_entry, subprocess_env
 from tests.jobs import reference_run
 from utils.data.stats import Stats
-from training.evaluation.scoring import (FORECASTS, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
+from training.evaluation.scoring import (FORECASTS, Scorecard, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
 from training.evaluation.metrics import latitude_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,6 +251,20 @@ def test_format_scorecard_shows_every_lead_up_to_max_rows_and_the_last(n):
     rows = [line.split()[0] for line in text.splitlines() if re.match(r"\s+\d{3}h\s", line)]
     assert rows[0] == "006h" and rows[-1] == lead_label(6.0 * n)
     assert len(rows) == min(n, 12)
+
+
+@pytest.mark.parametrize("model,text", [([1, 1, 1], "at every lead"), ([1, 3, 1], "up to 006h"),
+                                        ([3, 3, 3], "at no lead"), ([3, 1, 1], "at 2 later leads")])
+def test_the_summary_says_up_to_which_lead_the_model_beats_a_baseline(model, text):
+    """Persistence's RMSE is 2 at every lead: "not at the first lead" read as "at every lead but the first"."""
+    scores = {f: {m: {"x": [2.0] * 3} for m in ("rmse", "acc", "bias")} for f in FORECASTS}
+    scores["model"]["rmse"]["x"] = [float(v) for v in model]
+    card = Scorecard([6.0, 12.0, 18.0], ["x"], scores, 100)
+    lines = format_scorecard(card, ["x"]).splitlines()
+    assert f"{'':>10}  model RMSE below persistence: {text}" in lines
+    assert lines[-3] == ("summary: up to which lead the model's RMSE stays below persistence and below climatology; "
+                         "its bias and blurring at 006h, 018h")
+    assert lines[-1].split()[0] == "x" and text in lines[-1]
 
 
 # ---------------------------------------------------------------- the runs and their evaluations

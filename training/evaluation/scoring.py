@@ -153,10 +153,13 @@ def beats_until(card: Scorecard, channel: str, baseline: str) -> float | None:
 
 
 def beats_text(card: Scorecard, channel: str, baseline: str) -> str:
-    """``up to 024h``, ``at every lead`` or ``not at the first lead`` (see :func:`beats_until`)."""
+    """``up to 024h``, ``at every lead``, ``at no lead``, or ``at 2 later leads`` when it is below at some leads
+    but not at the first (see :func:`beats_until`; "not at the first lead" read as every lead but the first)."""
     until = beats_until(card, channel, baseline)
-    return ("not at the first lead" if until is None else "at every lead" if until == card.leads[-1]
-            else f"up to {lead_label(until, card.lead_unit)}")
+    if until is not None:
+        return "at every lead" if until == card.leads[-1] else f"up to {lead_label(until, card.lead_unit)}"
+    below = sum(m < o for m, o in zip(card.scores["model"]["rmse"][channel], card.scores[baseline]["rmse"][channel]))
+    return f"at {below} later lead{'s' if below > 1 else ''}" if below else "at no lead"
 
 
 def summary_leads(card: Scorecard) -> list[int]:
@@ -191,7 +194,8 @@ def format_scorecard(card: Scorecard, channels: list[str], max_rows: int = 12) -
             lines.append(f"{'':>10}  model RMSE below {baseline}: {beats_text(card, ch, baseline)}")
     picks = summary_leads(card)
     at = ", ".join(card.label(j) for j in picks)
-    lines += ["", f"summary: the model's RMSE below persistence and climatology up to; bias and blurring at {at}",
+    lines += ["", f"summary: up to which lead the model's RMSE stays below persistence and below climatology; "
+                  f"its bias and blurring at {at}",
               f"{'channel':>10}  {'persistence':>22} {'climatology':>22}  {'bias':>30}  {'blurring':>20}"]
     for ch in card.channels:
         bias = " ".join(f"{card.scores['model']['bias'][ch][j]:>9.3g}" for j in picks)
