@@ -71,3 +71,22 @@ def test_readme_and_the_config_list_give_tiny_the_same_time():
     claim = re.search(r"trains the tiny ViT \(([^)]*)\)", text).group(1)
     assert claim in config_list(), (claim, config_list())
     assert f"the newest {KEYS['keep_checkpoints'].default} kept: `--keep_checkpoints`" in text
+
+
+NUMBERED_RUN = re.compile(r"runs/[\w.-]+/\d+(?:CPU|GPU)/(\d+)\b")  # <expdir>/<config>/<N>CPU/<run_num>
+
+
+def test_documented_commands_name_their_runs():
+    """A command of the docs reads a run by its number only when it is the tour's ``00`` (what ``make train`` leaves);
+    a recipe names its runs with ``--run_num``: the next free number depends on the runs made before it (after the
+    tour, ``runs/tiny/1CPU/01`` is the tour's lr 1e-3 run, not the recipe's)."""
+    numbered = []
+    for page in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+        in_bash = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_bash = line.strip() == "```bash"
+            elif in_bash:
+                numbered += [f"{page.name}:{number}: {m.group(0)}" for m in NUMBERED_RUN.finditer(line)
+                             if m.group(1) != "00"]
+    assert not numbered, numbered
