@@ -1,5 +1,6 @@
 """Skill of runs side by side, from their ``evaluate.py`` scorecards: RMSE and ACC per channel at chosen leads,
-with climatology's RMSE beside them (the rollout-training comparison of docs/evaluation.md).
+with persistence's and climatology's beside them (the rollout-training and real-weather comparisons of
+docs/evaluation.md).
 
     python benchmarks/rollout_skill.py --runs k1=runs/tiny/1CPU/a_k1,k4=runs/tiny/1CPU/b_k4 --leads 6,24,72,120,240 \
         --out benchmarks/results/cpu_rollout_skill.json
@@ -21,7 +22,8 @@ from utils.core.errors import ArgumentParser  # noqa: E402
 
 
 def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list[dict]:
-    """One row per lead (hours) held by every card: each run's RMSE and ACC, and climatology's RMSE."""
+    """One row per lead (hours) held by every card: each run's RMSE and ACC, persistence's RMSE and ACC and
+    climatology's RMSE (the baselines of the first card: every run is scored on the same initial times)."""
     rows = []
     first = next(iter(cards.values()))
     for lead in leads:
@@ -32,7 +34,10 @@ def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list
             j = card["lead_hours"].index(lead)
             row[f"rmse {name}"] = card["scores"]["model"]["rmse"][channel][j]
             row[f"acc {name}"] = card["scores"]["model"]["acc"][channel][j]
-        row["rmse climatology"] = first["scores"]["climatology"]["rmse"][channel][first["lead_hours"].index(lead)]
+        j = first["lead_hours"].index(lead)
+        for baseline in ("persistence", "climatology"):
+            row[f"rmse {baseline}"] = first["scores"][baseline]["rmse"][channel][j]
+        row["acc persistence"] = first["scores"]["persistence"]["acc"][channel][j]
         rows.append(row)
     return rows
 
@@ -47,6 +52,7 @@ def main() -> int:
     cards = {name: json.loads((Path(run) / "evaluation" / "scorecard.json").read_text()) for name, run in runs.items()}
     leads = [float(v) for v in args.leads.split(",")]
     result = {"runs": {name: {"dir": runs[name], "training_rollout": card.get("training_rollout"),
+                              "inputs": card.get("inputs"),
                               "checkpoint_step": card.get("checkpoint_step"), "initial_times": card["initial_times"]}
                        for name, card in cards.items()}, "channels": {}}
     for name, info in result["runs"].items():
