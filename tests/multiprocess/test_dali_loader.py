@@ -217,3 +217,18 @@ def test_unreadable_sample_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match=rf"^cannot read time 0 of {re.escape(str(path))} [^\n]*\Z"):  # one line
         next(iter(data.valid))
     assert data.valid._pipe is None, "the pipeline (and its workers) must be closed"
+
+
+def test_forcings_of_dali_batches_equal_the_native_loaders(tiny_data):
+    """The forcings come from each batch's sample indices: DALI's, indices equal, give the native loader's fields."""
+    forcings = "[cos_solar_zenith_angle,sin_local_time,cos_julian_day]"
+    dali = make_data(tiny_data, "dali", num_data_workers=1, valid_target_steps=2, forcings=forcings)
+    native = make_data(tiny_data, "pytorch", valid_target_steps=2, forcings=forcings)
+    try:
+        for (_, _, idx), (_, _, n_idx) in zip(epoch_batches(dali.valid, limit=2), epoch_batches(native.valid, limit=2)):
+            for step in (0, 1):
+                got = dali.valid_forcings(idx, step)
+                assert got.shape == (len(idx), 3, 32, 64)
+                assert torch.equal(got, native.valid_forcings(n_idx, step))
+    finally:
+        dali.valid.close()
