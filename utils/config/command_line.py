@@ -53,8 +53,9 @@ def full_help(prog: str = "train.py", default_config: str = "tiny") -> str:
     lines = [f"usage: python {prog} [--config NAME] [--yaml_config FILE] [--KEY VALUE ...]",
              f"       python {prog} --help [KEY] | --list-configs | --print-config",
              "",
-             *textwrap.wrap("Values: --key value or --key=value; a bare --flag means true; lists as [a,b]; "
-                            "null where the type allows it. Keys can also be set in the YAML config.", WIDTH),
+             *textwrap.wrap("Values: --key value or --key=value; a bare --flag means true (true/false keys); "
+                            "numbers in decimal digits; lists as [a,b]; null where the type allows it; a key given "
+                            "twice takes its last value. Keys can also be set in the YAML config.", WIDTH),
              "",
              f"  --config NAME          named config (default {default_config}; --list-configs lists them)",
              f"  --yaml_config FILE     named configs (default {DEFAULT_YAML})"]
