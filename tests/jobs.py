@@ -20,6 +20,19 @@ RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--lim
        "--checkpoint_every_steps", "5", "--log_every", "1000"]
 
 
+def with_args(base: list[str], args: list[str] | tuple[str, ...]) -> list[str]:
+    """``base`` (such as :data:`RUN`) without the options that ``args`` gives, then ``args``: each option once, as a
+    user types a command (an option given twice would print a note before a test's error line)."""
+    given = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+    kept, keep = [], True
+    for token in base:
+        if token.startswith("--"):  # an option, followed by its value(s)
+            keep = token.split("=", 1)[0] not in given
+        if keep:
+            kept.append(token)
+    return [*kept, *args]
+
+
 def _job_command(workdir: Path, data: Path, args: list[str], ranks: int, signal_at: int | None,
                  entry: list[str] | None, run_args: list[str], env: dict[str, str]) -> tuple[list[str], list[dict]]:
     """The command (without the interpreter) and each rank's environment of a job."""
@@ -28,7 +41,7 @@ def _job_command(workdir: Path, data: Path, args: list[str], ranks: int, signal_
     launch = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                                     "MASTER_PORT": str(free_port())}
     workdir.mkdir(exist_ok=True)
-    command = [*entry, *run_args, "--data_path", str(data), "--expdir", str(workdir / "runs"), *args]
+    command = [*entry, *with_args([*run_args, "--data_path", str(data), "--expdir", str(workdir / "runs")], args)]
     return command, [subprocess_env(**launch, **env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if launch else {}))
                      for r in range(ranks)]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import subprocess_env
-from tests.jobs import RUN, assert_same_state, reference_run, run_job, run_path
+from tests.jobs import RUN, assert_same_state, reference_run, run_job, run_path, with_args
 from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +25,8 @@ MAKE_TRAIN = ["--yaml_config", "config/ViT.yaml", "--config", "tiny"]  # the Mak
 
 def train(workdir: Path, data: Path, *args: str, run_args=tuple(RUN)) -> subprocess.Popen:
     workdir.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *run_args, "--data_path", str(data),
-                             "--expdir", str(workdir / "runs"), *args], cwd=workdir, env=subprocess_env(),
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *with_args([*run_args, "--data_path", str(data),
+                             "--expdir", str(workdir / "runs")], args)], cwd=workdir, env=subprocess_env(),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
