@@ -391,9 +391,11 @@ CLI_ERRORS = [
     ("convert_era5", [*NC_ARGS, "--valid_fraction", "1.5"], "--valid_fraction must be between 0 and 1, got 1.5"),
     ("convert_era5", [*NC_ARGS, "--trim_to_multiple", "0"], "--trim_to_multiple must be >= 1, got 0"),
     ("convert_era5", [*NC_ARGS, "--valid_fraction", "0.5", "--valid_start", "2020-01-01"], "not allowed with"),
-    ("convert_era5", [*NC_ARGS, "--out", "{dataset}"], "already holds a dataset"),
-    ("convert_era5", [*NC_ARGS, "--out", "{file}/o"], "cannot write the output folder"),
-    ("convert_era5", [*NC_ARGS, "--input", "{damaged}"], "the file is damaged or truncated"),
+    ("convert_era5", ["--input", "{nc}", "--out", "{dataset}", "--variables", "t", "z"], "already holds a dataset"),
+    ("convert_era5", ["--input", "{nc}", "--out", "{file}/o", "--variables", "t", "z"],
+     "cannot write the output folder"),
+    ("convert_era5", ["--input", "{damaged}", "--out", "{tmp}/out", "--variables", "t", "z"],
+     "the file is damaged or truncated"),
 ]
 
 
