@@ -6,13 +6,16 @@ server imports :data:`PRELOAD` once, runs nothing else (no thread pool to copy),
 call. The child takes the command's working directory, environment, ``sys.argv`` and ``sys.path[0]``, writes
 its stdout and stderr to files, runs the script or module as ``__main__`` (``runpy``), runs the ``atexit``
 functions and exits with the script's status: what the tests read of a process (status, output, files,
-signals) is that of ``python script args``. Commands that need a live ``Popen`` (signals sent during the run)
-still start a fresh interpreter.
+signals) is that of ``python script args``, but for what a crash adds to stderr: the Python stacks that
+``faulthandler`` writes at a fatal signal (SIGABRT, SIGSEGV), and a last line naming the signal a process died
+of (:func:`death_note`), as a shell prints ``Aborted``. Commands that need a live ``Popen`` (signals sent
+during the run) still start a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -27,6 +30,25 @@ from pathlib import Path
 # what an entry point imports on its way to its first step; the fork server imports them once
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "h5py",
            "tests.dist_utils", "networks.vit", "distributed.world", "training.loop.trainer", "utils.config.command_line"]
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """How a process ended, in words: ``killed by signal SIGABRT``, ``exit status 1`` or ``still running``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode >= 0:
+        return f"exit status {exitcode}"
+    try:
+        return f"killed by signal {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
+
+
+def death_note(exitcode: int | None) -> str:
+    """The line a forked process's stderr gets when it died of a signal (nothing otherwise), as a shell says
+    ``Aborted`` after a ``python script`` that aborted: the tail of its stderr that a failed test shows then says
+    why it died, after what it wrote before."""
+    return f"\n[tests/forked.py: {exit_reason(exitcode)}]\n" if exitcode is not None and exitcode < 0 else ""
 
 
 def context():
@@ -60,6 +82,7 @@ def _run(command: list[str], cwd: str, env: dict[str, str], out, err) -> None:
         else:
             os.dup2(target.fileno(), fd)
             target.close()
+    faulthandler.enable(all_threads=True)  # a fatal signal (SIGABRT, SIGSEGV) writes the Python stacks to stderr
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     status = 0
@@ -107,9 +130,9 @@ class Forked:
                 self.process.kill()
                 self.process.join()
                 raise subprocess.TimeoutExpired(self.command, timeout, self._out.read_text(), self._err.read_text())
+            err = self._err.read_text(errors="replace") + death_note(self.process.exitcode)
             return subprocess.CompletedProcess([sys.executable, *self.command], self.process.exitcode,
-                                               self._out.read_text(errors="replace"),
-                                               self._err.read_text(errors="replace"))
+                                               self._out.read_text(errors="replace"), err)
         finally:
             self._dir.cleanup()
 
@@ -162,7 +185,7 @@ class ForkedPopen:
         self.wait(timeout)
         for reader in readers:
             reader.join()
-        return texts["out"], texts["err"]
+        return texts["out"], texts["err"] + death_note(self.returncode)
 
 
 def run_forked(command: list[str], cwd, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
