@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,3 +108,18 @@ def test_resume_target_of_another_model_is_refused_before_the_run_directory(tiny
                                   "pos_embed is "), proc.stderr[-3000:]
     assert not (tmp_path / "new").exists()
     assert not run_path(tmp_path / "new", 1).exists()
+
+
+def test_a_raw_pickle_model_file_is_one_line(tiny_data, tmp_path):
+    """A ``.pt`` written by ``pickle.dump`` (not ``torch.save``) is refused with one ``error:`` line: torch's
+    UserWarning about its pickle protocol is not printed before it (#45 item 11)."""
+    marker = tmp_path / "marker"
+    raw = tmp_path / "raw.pt"
+    raw.write_bytes(pickle.dumps({"model": Evil(marker)}, protocol=4))
+    train = [sys.executable, str(ROOT / "train.py"), *RUN, "--data_path", str(tiny_data)]
+    proc = subprocess.run([*train, "--expdir", str(tmp_path / "new"), "--init_from", str(raw)], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(raw) in lines[0], proc.stderr
+    assert not marker.exists()

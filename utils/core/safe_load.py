@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ def load_plain(path: Path) -> Any:
         UserError: the file cannot be read (damaged, truncated).
     """
     try:
-        with torch.serialization.safe_globals(_numpy_array_globals()):
+        # torch warns (UserWarning) about a raw pickle's protocol before refusing it: the refusal is our one line
+        with torch.serialization.safe_globals(_numpy_array_globals()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         detail = " ".join(str(exc).split()).split("Check the recommended steps")[0][:300]
