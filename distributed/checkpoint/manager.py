@@ -120,6 +120,16 @@ class CheckpointManager(Component):
         self.sharded.save(state.step)
         self.saved_step, self.due, self.last_save = state.step, False, time.monotonic()
 
+    def _resume_hint(self) -> str:
+        """How to go on: the same command, unless it starts a new run each time (``--resume never`` or
+        ``--resume PATH``): then this run's id instead of that option."""
+        resume = self.cfg.resume
+        if resume == "auto":
+            return "run the same command to resume"
+        option = "--resume never" if resume == "never" else "--resume PATH"
+        return (f"to resume this run, run the same command with --run_num {self.directory.parent.name} instead of "
+                f"{option} (as it is, it starts another new run)")
+
     def _stop(self, state) -> None:
         """Checkpoint this step (unless just done or checkpoints are off), wait until it is committed, and raise
         Preempted."""
@@ -128,7 +138,7 @@ class CheckpointManager(Component):
             if self.saved_step != state.step:
                 self.save(state)
             self.sharded.wait()
-            saved, then = f"checkpoint {self.latest()} written", "run the same command to resume"
+            saved, then = f"checkpoint {self.latest()} written", self._resume_hint()
         message = ""
         if self.world.is_main:  # one line for the job
             message = (f"preempted by {signal_name(state.stop_signal)} at iteration {state.step}: {saved}; exit "

@@ -90,3 +90,15 @@ def test_a_stopped_rank_makes_the_others_exit_naming_it(tiny_data, tmp_path):
     assert ": no heartbeat for 6 s; the process is stopped, hung or its node is gone" in errors[0]
     assert "Traceback" not in err
     assert waited < 60  # startup plus 6 s of silence: never the hang a stopped rank used to cause
+
+
+def test_a_resume_never_run_stopped_names_its_run_num(tiny_data, tmp_path):
+    """``--resume never`` starts a new run each time: the preemption line names ``--run_num`` of the run it
+    stopped, not "the same command" (#45 item 14)."""
+    job = run_job(tmp_path, tiny_data, ["--resume", "never"], 1, signal_at=5, KILL_SIGNAL="INT")
+    assert [status for status, _, _ in job] == [EXIT_PREEMPTED], job[0][2][-2000:]
+    run = run_path(tmp_path, 1)
+    lines = [line for line in job[0][1].splitlines() if line.startswith("preempted")]
+    assert len(lines) == 1 and "run the same command to resume" not in lines[0], lines
+    assert lines[0].endswith(f"to resume this run, run the same command with --run_num {run.name} instead of "
+                             "--resume never (as it is, it starts another new run)"), lines
