@@ -119,6 +119,9 @@ def named_latest(directory: Path) -> Path | None:
         UserError: ``latest`` is not the name of a step folder (binary content, a path, another name).
     """
     path = Path(directory) / LATEST
+    if path.is_symlink():
+        raise UserError(f"{path} is a symbolic link, not the file saves write: it is never followed; delete it to "
+                        f"resume from the newest complete checkpoint, or pass --resume <step folder>")
     try:
         name = read_bounded(path, 4096).decode("ascii").strip()
     except (FileNotFoundError, NotADirectoryError):

@@ -326,6 +326,9 @@ def mismatched_file(folder: Path, manifest: dict[str, str], rank: int = 0, ranks
     names = sorted(manifest)[rank::ranks]
     with ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="checkpoint-verify") as pool:
         for name, ok in zip(names, pool.map(matches, names)):
+            if not ok and "/" not in name and (Path(folder) / name).is_symlink():
+                return (f"{Path(folder) / name} is a symbolic link, not a file this checkpoint wrote: it is never "
+                        "followed; put the file itself there")
             if not ok:
                 return (f"{Path(folder) / name} does not match its checksum in {CHECKSUMS} (changed or damaged "
                         "after it was written)")

@@ -1,0 +1,30 @@
+"""A symbolic link as a checkpoint's ``latest`` or as one of its shards is refused as a link, by name, not
+reported as damage or a checksum mismatch (#45 item 5). Links are made only under tmp_path."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed.checkpoint.folder import named_latest
+from distributed.checkpoint.storage import file_digest, mismatched_file
+from utils.core.errors import UserError
+
+
+def test_a_linked_latest_is_named_as_a_link(tmp_path):
+    (tmp_path / "step_00000010").mkdir()
+    (tmp_path / "elsewhere").write_text("step_00000010\n")
+    (tmp_path / "latest").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match=r"latest is a symbolic link") as caught:
+        named_latest(tmp_path)
+    assert "damaged" not in str(caught.value)
+
+
+def test_a_linked_shard_is_named_as_a_link(tmp_path):
+    real = tmp_path / "outside.distcp"
+    real.write_bytes(b"shard bytes")
+    folder = tmp_path / "step_00000010"
+    folder.mkdir()
+    (folder / "__0_0.distcp").symlink_to(real)
+    message = mismatched_file(folder, {"__0_0.distcp": file_digest(real)})
+    assert message is not None and "__0_0.distcp is a symbolic link" in message
+    assert "checksum" not in message
