@@ -146,6 +146,13 @@ def load_candidates(directory: Path) -> list[Path]:
     Folders newer than ``latest`` are leftovers of saves that never committed and are never used;
     without a ``latest`` file every complete folder is a candidate.
     """
+    directory = Path(directory)
+    if directory.is_dir():
+        for entry in sorted(directory.iterdir()):
+            if folder_step(entry) is not None and entry.is_symlink():
+                raise UserError(f"{entry} is a symbolic link, not a checkpoint folder this run wrote: it is never "
+                                f"followed; remove it (to start from the checkpoint it points at, pass --resume "
+                                f"<that folder> for a new run)")
     named = named_latest(directory)
     newest = folder_step(named) if named is not None else math.inf
     return [f for f in reversed(step_folders(directory)) if folder_step(f) <= newest and is_complete(f)]

@@ -28,3 +28,17 @@ def test_a_linked_shard_is_named_as_a_link(tmp_path):
     message = mismatched_file(folder, {"__0_0.distcp": file_digest(real)})
     assert message is not None and "__0_0.distcp is a symbolic link" in message
     assert "checksum" not in message
+
+
+def test_a_linked_step_folder_is_refused(tmp_path):
+    """#45 item 2: a step folder linked to one outside the run, with ``latest`` naming it, is never loaded."""
+    from distributed.checkpoint.folder import load_candidates
+    outside = tmp_path / "outside" / "step_00000040"
+    outside.mkdir(parents=True)
+    (outside / ".metadata").write_bytes(b"")
+    run = tmp_path / "checkpoints"
+    run.mkdir()
+    (run / "step_00000099").symlink_to(outside)
+    (run / "latest").write_text("step_00000099\n")
+    with pytest.raises(UserError, match=r"step_00000099 is a symbolic link.*remove it"):
+        load_candidates(run)
