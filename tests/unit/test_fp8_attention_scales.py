@@ -63,6 +63,8 @@ def test_every_quantized_tensor_fits_its_format(sharpness):
 
 
 def test_fallback_reasons_are_logged_once_per_reason(caplog):
+    from distributed import parallelize
+    parallelize._log_fp8_attention.cache_clear()  # once per process: another test of this worker may have logged
     model = VisionTransformer(img_size=(16, 16), patch_size=4, in_chans=2, out_chans=2, embed_dim=32, depth=1,
                               num_heads=2)
     world = World(LaunchEnv(), torch.device("cpu"))
