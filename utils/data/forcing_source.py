@@ -57,11 +57,6 @@ class InputForcings:
         self.valid_time = valid_time
         self.timed = any(n in TIME_FORCINGS for n in self.names)
 
-    @property
-    def channels(self) -> int:
-        """``F + S``: the channels appended to the state."""
-        return len(self.names) + (0 if self.static is None else self.static.shape[0])
-
     def __call__(self, idx: torch.Tensor, step: int) -> torch.Tensor:
         """Float32 ``(B, F + S, H, W)`` on the device for the samples ``idx`` (``(B,)`` int64, any device) at
         rollout step ``step`` (0-based: the first application's target is ``step`` 0)."""
