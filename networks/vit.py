@@ -227,7 +227,7 @@ def build_model(model, data) -> VisionTransformer:
     return MODELS[model.nettype](
         img_size=tuple(data.img_size),
         patch_size=model.patch_size,
-        in_chans=data.model_in_channels,
+        in_chans=data.model_in_channels + model.noise_channels,
         out_chans=data.n_out_channels,
         embed_dim=model.embed_dim,
         depth=model.depth,

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL, Check,
+from utils.config.types import (AT_LEAST_1, BATCH_OR_AUTO, CLOSED_UNIT_INTERVAL, NON_NEGATIVE, POSITIVE, SEED_RANGE, UNIT_INTERVAL, Check,
                                 KeySpec, key, plain)
 from utils.precision.fp8_advice import help_note
 
@@ -56,6 +56,8 @@ class ModelConfig:
     patch_size: int = key(8, "patch edge in grid points; must divide both img_size dims", AT_LEAST_1)
     residual: bool = key(False, "predict the change over one step: the output is the input state plus the network's "
                                 "(GraphCast's and FourCastNet 3's residual); false: the state itself")
+    noise_channels: int = key(0, "stochastic model: Gaussian noise fields read as extra input channels, a fresh draw "
+                                 "per ensemble member and step (0: deterministic; docs/ensembles.md)", NON_NEGATIVE)
 
 
 @dataclass
@@ -116,6 +118,12 @@ class OptimConfig:
     rollout_step_weights: tuple[float, ...] = key((), "rollout: weight of each step's loss, one per step up to the "
                                                       "largest K (at K steps the first K, normalized; []: uniform)",
                                                   NON_NEGATIVE)
+    loss: Literal["l2", "crps"] = key("l2", "training loss: l2 (relative L2 of one forecast) or crps (the almost fair "
+                                            "CRPS of ensemble_members members; docs/ensembles.md)")
+    ensemble_members: int = key(1, "members per initial state in training, each with its own noise (loss crps)",
+                                AT_LEAST_1)
+    crps_alpha: float = key(0.95, "loss crps: the afCRPS alpha (1: fair CRPS, 0: standard CRPS; AIFS-CRPS: 0.95)",
+                            CLOSED_UNIT_INTERVAL)
 
 
 @dataclass
@@ -162,6 +170,8 @@ class ParallelConfig:
     fsdp_reduce_dtype: Literal["fp32", "param"] = key("fp32", "gradient reduce dtype under AMP")
     tensor_parallel: int = key(1, "tensor-parallel size tp (heads and MLP columns split)", AT_LEAST_1)
     context_parallel: int = key(1, "context-parallel size cp (tokens split)", AT_LEAST_1)
+    ensemble_parallel: int = key(1, "ensemble-parallel size: ranks the members of each sample are spread over (must "
+                                    "divide ensemble_members)", AT_LEAST_1)
     sequence_parallel: bool = key(False, "tensor_parallel > 1: split the tokens over tp between the attention/MLP "
                                          "GEMMs too, so LayerNorms, residual adds and their activations take 1/tp "
                                          "(Megatron-LM sequence parallelism; the same checkpoints): less memory, "

@@ -35,6 +35,9 @@ POSITIVE = Check("> 0", lambda v: v > 0)
 UNIT_INTERVAL = Check("in [0, 1)", lambda v: 0 <= v < 1)
 
 
+CLOSED_UNIT_INTERVAL = Check("in [0, 1]", lambda v: 0 <= v <= 1)
+
+
 SEED_RANGE = Check("in [0, 2**32)", lambda v: 0 <= v < 2**32)
 
 
