@@ -53,6 +53,20 @@ def test_a_planted_run_file_is_never_followed(tiny_data, tmp_path, finished_run,
     assert os.path.lexists(planted)
 
 
+@pytest.mark.parametrize("name", [".lock", "out.log"])
+def test_a_hard_linked_run_file_is_never_written_through(tiny_data, tmp_path, finished_run, name):
+    """A file the run appends to or rewrites in place, planted as a hard link to a file outside the run
+    (#45 item 3): one line naming it, before anything of the run is written; the outside file stays as it was."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text(PRECIOUS)
+    planted = finished_run / name
+    planted.unlink(missing_ok=True)
+    os.link(outside, planted)
+    record = (finished_run / "run.json").read_text()
+    assert_one_line_error(go_on(tiny_data, tmp_path), [str(planted), "has 2 hard links", "remove it"])
+    assert outside.read_text() == PRECIOUS and (finished_run / "run.json").read_text() == record
+
+
 def test_a_torn_metrics_line_is_dropped_and_the_run_goes_on(tiny_data, tmp_path, finished_run):
     """What a SIGKILL or full disk during an append leaves: the resume warns and goes on (it used to end in a
     traceback at every later resume)."""

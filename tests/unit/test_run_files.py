@@ -66,6 +66,25 @@ def test_no_run_file_follows_a_link_or_opens_a_non_regular_file(tmp_path, kind, 
     assert os.path.lexists(path) and not os.path.lexists(path.with_name(name + ".tmp"))
 
 
+@pytest.mark.parametrize("use", ["append", "lock", "lock probe", "log"])
+def test_no_file_written_in_place_is_a_hard_link(tmp_path, use):
+    """A hard link planted where the project appends or rewrites in place (#45 item 3): the write would change
+    the file under its other name; refused in one line naming the file, which stays as it was."""
+    name = {"lock": ".lock", "lock probe": ".lock", "log": "out.log"}.get(use, "metrics.jsonl")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / name
+    os.link(outside, path)
+    act = {"append": lambda: os.close(open_append(path)), "lock": lambda: DirectoryLock(path.parent).acquire(),
+           "lock probe": lambda: is_held(path.parent), "log": lambda: LogFile(path)}[use]
+    with pytest.raises(NotOurs) as err:
+        act()
+    message = str(err.value)
+    assert message.startswith(f"{path} has 2 hard links") and "remove it" in message and "\n" not in message
+    assert outside.read_text() == "precious\n" and read_bounded(path) == b"precious\n"  # reading is harmless
+
+
 def test_a_planted_temporary_link_is_removed_not_followed(tmp_path):
     path, outside = planted(tmp_path, "link", "run.json.tmp")
     write_text_atomic(path.with_name("run.json"), "{}\n")

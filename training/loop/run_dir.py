@@ -23,7 +23,7 @@ from training.monitor.reporter import mark_if_dead, now, read_run_record
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
 from utils.core.errors import NothingToDo, UserError
-from utils.core.files import check_own_folder
+from utils.core.files import check_in_place, check_own_folder
 from utils.core.lock import LOCK_FILE, DirectoryLock, Held, is_held, owner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,6 +204,8 @@ def _take(path: Path, resume: str, flat_config: dict, explicit: bool) -> RunDir:
     """
     for folder in (path, path / "checkpoints"):  # ours to make: never a link to somewhere else
         check_own_folder(folder)
+    for name in (LOCK_FILE, "out.log"):  # written in place: checked before the lock writes anything
+        check_in_place(path / name)
     try:
         lock = DirectoryLock(path).acquire()
     except Held as held:

@@ -6,6 +6,8 @@ rules that keep a run's files its own:
   planted there is refused (naming the link) instead of truncating or appending to the file it points at;
 * never anything but a regular file: FIFOs, devices and directories are refused, and are opened with
   ``O_NONBLOCK`` first so that a FIFO cannot hang the open;
+* never written through a hard link: a file appended to or rewritten in place (``out.log``, ``.lock``) must
+  have no other name, since the writes would change the file under its other names too;
 * never overwritten unless ours: :func:`write_atomic` never replaces something that is not a regular file, and
   with ``overwrite=False`` (a tool's ``--out`` without ``--overwrite``) nothing that exists;
 * bounded: a record is read with a size limit (:data:`RECORD_LIMIT`), so a link to an endless file or a
@@ -88,14 +90,38 @@ def _refuse(path: Path, what: str) -> NotOurs:
                    "remove it (or pass another path)")
 
 
+def _hard_linked(path: Path, links: int) -> NotOurs:
+    return NotOurs(f"{path} has {links} hard links: writing it in place would change the file under its other names "
+                   f"too; remove it, or make it a copy of its own (cp {path} {path}.copy && mv {path}.copy {path})")
+
+
+def check_in_place(path: str | Path) -> None:
+    """Check, before anything is written, that ``path`` (a file the project appends to or rewrites in place:
+    ``out.log``, ``.lock``) is absent or a regular file of one name, as :func:`open_regular` will require.
+
+    Raises:
+        NotOurs: ``path`` is a link, not a regular file, or has more than one hard link.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(Path(path), _kind(st.st_mode))
+    if st.st_nlink > 1:
+        raise _hard_linked(Path(path), st.st_nlink)
+
+
 def open_regular(path: str | Path, flags: int, mode: int = 0o644, follow: bool = False) -> int:
     """``os.open(path, flags)`` of a regular file, never through a symbolic link in its last component
     (``O_NOFOLLOW``; ``follow`` for a file the user names, such as ``--yaml_config``) and never a FIFO, device or
     directory (opened ``O_NONBLOCK``, so a FIFO does not block, checked with ``fstat``, then made blocking again).
-    Returns the descriptor (``O_CLOEXEC``).
+    Opened for writing (an append, a lock file rewritten in place), it must have one name only: a hard link
+    planted there would carry the writes to the file's other names. Returns the descriptor (``O_CLOEXEC``).
 
     Raises:
-        NotOurs: ``path`` is a link or not a regular file (naming what it is).
+        NotOurs: ``path`` is a link or not a regular file (naming what it is), or is opened for writing and has
+            more than one hard link.
         OSError: any other failure (missing, no permission, full disk).
     """
     try:
@@ -105,10 +131,13 @@ def open_regular(path: str | Path, flags: int, mode: int = 0o644, follow: bool =
             what = os.lstat(path).st_mode if os.path.lexists(path) else 0
             raise _refuse(Path(path), _kind(what)) from None
         raise
-    st_mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise _refuse(Path(path), _kind(st_mode))
+        raise _refuse(Path(path), _kind(st.st_mode))
+    if flags & (os.O_WRONLY | os.O_RDWR) and st.st_nlink > 1:  # written in place: the other names would change too
+        os.close(fd)
+        raise _hard_linked(Path(path), st.st_nlink)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
