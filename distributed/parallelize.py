@@ -141,11 +141,13 @@ def _log_fp8_attention(reason: str | None) -> None:
 
 
 def data_parallel_mesh(parallel: ParallelConfig, world: World):
-    """The mesh data parallelism reduces gradients over: ``dp``, or with context parallelism ``dp_cp`` (``hsdp``,
-    ``hsdp_cp``: 2D, replicate x shard)."""
+    """The mesh data parallelism reduces gradients over: ``dp``, with context parallelism ``dp_cp``, with ensemble
+    parallelism alone ``dp_ens`` (``hsdp``, ``hsdp_cp``, ``hsdp_ens``: 2D, replicate x shard)."""
     hsdp = parallel.fsdp == "hsdp"
     if world.cp > 1:
         return world.meshes["hsdp_cp" if hsdp else "dp_cp"]
+    if world.ens > 1:
+        return world.meshes["hsdp_ens" if hsdp else "dp_ens"]
     return world.meshes["hsdp" if hsdp else "dp"]
 
 
@@ -196,9 +198,10 @@ def mixed_precision(parallel: ParallelConfig, amp_mode: str) -> MixedPrecisionPo
 
 def gradient_factor(world: World) -> float:
     """What the loss's gradient is multiplied by so that data parallelism yields the single-process gradient:
-    ``cp``. FSDP and ``replicate`` average over the ``dp x cp`` ranks of ``dp_cp``, while each context-parallel
-    rank's gradient is only its tokens' part of the sum (exact when ``cp`` is a power of two)."""
-    return float(world.cp)
+    ``cp x ens``. DDP, FSDP and ``replicate`` average over the ``dp x ens x cp`` ranks of the data-parallel mesh,
+    while each context-parallel rank's gradient is only its tokens' part of the sum and each ensemble-parallel
+    rank's only its members' part (exact when ``cp x ens`` is a power of two)."""
+    return float(world.cp * world.ens)
 
 
 def build_parallel_model(build, parallel: ParallelConfig, precision: PrecisionConfig, world: World,
@@ -252,12 +255,12 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
             part.compile(mode=mode)
     if fsdp:
         apply_fsdp(model, parallel, precision.amp_mode, world)
-    elif world.model_parallel and world.dp * world.cp > 1:
+    elif world.model_parallel and world.dp * world.ens * world.cp > 1:
         replicate(model, mesh=data_parallel_mesh(parallel, world),
                   mp_policy=mixed_precision(parallel, precision.amp_mode))
-    elif world.dp > 1:
+    elif world.ddp:
         model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
-                    process_group=world.group("dp"), bucket_cap_mb=parallel.bucket_cap_mb,
+                    process_group=data_parallel_mesh(parallel, world).get_group(), bucket_cap_mb=parallel.bucket_cap_mb,
                     gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
                     # static_graph trips an internal assert under no_sync (gradient accumulation)
                     static_graph=parallel.ddp_static_graph and grad_accum_steps == 1)

@@ -2,9 +2,10 @@
 components use, and :func:`distributed_session`, which makes every rank stop with one line as soon as
 any rank fails.
 
-The mesh has named dimensions ``dp_replicate, dp_shard, cp, tp`` laid out by
+The mesh has named dimensions ``dp_replicate, dp_shard, ens, cp, tp`` laid out by
 ``--parallel_order`` (innermost first, default ``tp-cp-dp``: tensor-parallel peers are
-adjacent ranks, i.e. on one node); ``dp`` is the flattened data-parallel dimension.
+adjacent ranks, i.e. on one node; ``ens``, the ensemble-parallel dimension, always sits just inside ``dp``);
+``dp`` is the flattened data-parallel dimension (the ranks that read different samples).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from utils.core.errors import NothingToDo, Preempted, UserError, failure_status
 class World:
     """This process's place in the job and its device mesh.
 
-    ``dp``, ``cp``, ``tp`` are the data-, context- and tensor-parallel sizes
-    (``dp * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard; ``fsdp`` is the configured
+    ``dp``, ``ens``, ``cp``, ``tp`` are the data-, ensemble-, context- and tensor-parallel sizes
+    (``dp * ens * cp * tp == world_size``); ``dp_rank`` indexes this rank's data shard (the ``ens`` ranks of an
+    ensemble group read the same samples and forecast different members of them); ``fsdp`` is the configured
     ``--fsdp`` mode. The questions every mode-dependent piece asks (FSDP? DDP? model parallel?) are answered
     here once (:attr:`model_parallel`, :attr:`uses_fsdp`, :attr:`fsdp_only`, :attr:`ddp`).
-    ``meshes`` maps ``dp``, ``cp``, ``tp`` and ``hsdp`` (the 2D ``dp_replicate x dp_shard``
-    mesh) to their device meshes; empty for one process.
+    ``meshes`` maps ``dp``, ``ens``, ``cp``, ``tp`` and ``hsdp`` (the 2D ``dp_replicate x dp_shard``
+    mesh) to their device meshes (and the gradient-reducing ones of :func:`build_meshes`); empty for one process.
     """
 
     env: LaunchEnv
@@ -52,6 +54,7 @@ class World:
     store: dist.Store | None = field(default=None, repr=False)
     channel: FailureChannel | None = field(default=None, repr=False)
     fsdp: str = "none"
+    ens: int = 1
 
     @property
     def rank(self) -> int:
@@ -75,7 +78,7 @@ class World:
     def uses_fsdp(self) -> bool:
         """Whether FSDP shards the model: ``--fsdp`` is set and there is more than one rank to shard over (``dp``;
         under tensor/context parallelism ``dp x cp``); one process trains unsharded."""
-        ranks = self.dp * (self.cp if self.model_parallel else 1)
+        ranks = self.dp * self.ens * (self.cp if self.model_parallel else 1)
         return self.fsdp != "none" and ranks > 1
 
     @property
@@ -85,8 +88,8 @@ class World:
 
     @property
     def ddp(self) -> bool:
-        """Plain DDP: more than one data-parallel rank, neither FSDP nor tensor/context parallelism."""
-        return self.dp > 1 and not self.uses_fsdp and not self.model_parallel
+        """Plain DDP: more than one data- or ensemble-parallel rank, neither FSDP nor tensor/context parallelism."""
+        return self.dp * self.ens > 1 and not self.uses_fsdp and not self.model_parallel
 
     def note_step(self, step: int) -> None:
         """Tell the failure watchdog the iteration this rank is at (its heartbeats and the line naming
@@ -95,8 +98,8 @@ class World:
             self.channel.note_step(step)
 
     def group(self, name: str):
-        """Process group of mesh dimension ``name`` (``dp``, ``cp``, ``tp``), or None if size 1."""
-        size = {"dp": self.dp, "cp": self.cp, "tp": self.tp}[name]
+        """Process group of mesh dimension ``name`` (``dp``, ``ens``, ``cp``, ``tp``), or None if size 1."""
+        size = {"dp": self.dp, "ens": self.ens, "cp": self.cp, "tp": self.tp}[name]
         if not self.meshes or size == 1:
             return None
         return self.meshes[name].get_group()
@@ -111,37 +114,43 @@ def hsdp_split(dp: int, shard: int) -> tuple[int, int]:
 
 
 def build_meshes(device_type: str, world_size: int, tp: int, cp: int, order: str,
-                 hsdp_shard: int) -> dict[str, DeviceMesh]:
-    """One device mesh with dims ``dp_replicate, dp_shard, cp, tp`` ordered by ``order``; returns its sub-meshes:
-    ``dp`` (flattened replicate x shard), ``cp``, ``tp``, ``hsdp`` (2D replicate x shard), and for data
-    parallelism under tensor/context parallelism ``dp_cp`` (flattened replicate x shard x cp) and ``hsdp_cp``
-    (2D replicate x (shard x cp)).
+                 hsdp_shard: int, ens: int = 1) -> dict[str, DeviceMesh]:
+    """One device mesh with dims ``dp_replicate, dp_shard, ens, cp, tp`` ordered by ``order`` (``ens`` just inside
+    ``dp``); returns its sub-meshes: ``dp`` (flattened replicate x shard), ``ens``, ``cp``, ``tp``, ``hsdp`` (2D
+    replicate x shard), and the meshes gradients are reduced over: ``dp_cp`` (flattened replicate x shard x ens x
+    cp, under context parallelism), ``dp_ens`` (replicate x shard x ens), ``hsdp_cp`` and ``hsdp_ens`` (2D
+    replicate x (shard x ens x cp) and replicate x (shard x ens)).
 
     Raises:
         UserError: HSDP with context parallelism where ``order`` does not keep ``cp`` next to ``dp``.
     """
-    dp = world_size // (tp * cp)
+    dp = world_size // (tp * cp * ens)
     rep, shard = hsdp_split(dp, hsdp_shard) if hsdp_shard else (1, dp)
-    sizes = {"tp": tp, "cp": cp, "dp_replicate": rep, "dp_shard": shard}
+    sizes = {"tp": tp, "cp": cp, "ens": ens, "dp_replicate": rep, "dp_shard": shard}
     dims: list[str] = []
     for name in reversed(order.split("-")):  # outermost first
-        dims += ["dp_replicate", "dp_shard"] if name == "dp" else [name]
+        dims += ["dp_replicate", "dp_shard", "ens"] if name == "dp" else [name]
     mesh = init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
     hsdp = mesh[("dp_replicate", "dp_shard")]
-    meshes = {"dp": hsdp._flatten("dp"), "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
+    meshes = {"dp": hsdp._flatten("dp"), "ens": mesh["ens"], "cp": mesh["cp"], "tp": mesh["tp"], "hsdp": hsdp}
     meshes["dp_cp"] = mesh[tuple(d for d in dims if d != "tp")]._flatten("dp_cp")
-    if hsdp_shard and cp > 1:  # HSDP under context parallelism: replicate x (shard x cp)
-        meshes["hsdp_cp"] = _hsdp_cp(mesh, dims, order)
+    meshes["dp_ens"] = mesh[("dp_replicate", "dp_shard", "ens")]._flatten("dp_ens")
+    if hsdp_shard and cp > 1:  # HSDP under context parallelism: replicate x (shard x ens x cp)
+        meshes["hsdp_cp"] = _hsdp_shard_with(mesh, dims, order, "cp")
+    elif hsdp_shard and ens > 1:  # HSDP over members: replicate x (shard x ens)
+        meshes["hsdp_ens"] = _hsdp_shard_with(mesh, dims, order, "ens")
     return meshes
 
 
-def _hsdp_cp(mesh: DeviceMesh, dims: list[str], order: str) -> DeviceMesh:
-    """The 2D ``dp_replicate x (dp_shard x cp)`` mesh. Raises UserError when ``order`` separates cp from dp."""
-    mesh[tuple(d for d in dims if d in ("dp_shard", "cp"))]._flatten("dp_shard_cp")
+def _hsdp_shard_with(mesh: DeviceMesh, dims: list[str], order: str, inner: str) -> DeviceMesh:
+    """The 2D ``dp_replicate x (dp_shard x ens [x cp])`` mesh, ``inner`` the innermost dimension it shards over
+    (``ens`` or ``cp``). Raises UserError when ``order`` separates cp from dp."""
+    sharded = ("dp_shard", "ens", "cp") if inner == "cp" else ("dp_shard", "ens")
+    mesh[tuple(d for d in dims if d in sharded)]._flatten(f"dp_shard_{inner}")
     with warnings.catch_warnings():  # torchtitan's way too; torch warns it may one day ask for another
         warnings.simplefilter("ignore", UserWarning)
         try:
-            return mesh[("dp_replicate", "dp_shard_cp")]
+            return mesh[("dp_replicate", f"dp_shard_{inner}")]
         except (RuntimeError, KeyError, ValueError):
             raise UserError(f"--fsdp hsdp with context parallelism needs cp next to dp in --parallel_order, got "
                             f"{order}; use tp-cp-dp or cp-dp-tp") from None
@@ -163,7 +172,7 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
     if simulating(parallel):  # one rank of a job on the fake process group (distributed/simulate.py)
         env = simulated_env(parallel, env)
     device = select_device(env)
-    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    tp, cp, ens = parallel.tensor_parallel, parallel.context_parallel, parallel.ensemble_parallel
     dp = data_parallel_size(env.world_size, parallel)
     if env.world_size == 1:
         return World(env, device, fsdp=parallel.fsdp)
@@ -181,8 +190,9 @@ def init_distributed(parallel: ParallelConfig, env: LaunchEnv | None = None) -> 
     if parallel.fsdp == "hsdp":
         shard = parallel.hsdp_shard_size or min(dp, env.local_world_size if env.local_world_size > 1
                                                 else torch.cuda.device_count() or dp)
-    meshes = build_meshes(device.type, env.world_size, tp, cp, parallel.parallel_order, shard)
-    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes, store, fsdp=parallel.fsdp)
+    meshes = build_meshes(device.type, env.world_size, tp, cp, parallel.parallel_order, shard, ens)
+    return World(env, device, dp, cp, tp, meshes["dp"].get_local_rank(), meshes, store, fsdp=parallel.fsdp,
+                 ens=ens)
 
 
 def broadcast_from_main(obj, world: World):

@@ -14,13 +14,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, ContextManager, Iterator
 
+import numpy as np
 import torch
 
+from distributed.ensemble_parallel import local_members
 from distributed.parallelize import build_parallel_model, gradient_factor, gradient_sync
 from distributed.world import World
 from kernels.cudnn_attention import packed_attention
 from networks.vit import build_model
-from training.evaluation.metrics import relative_l2_loss
+from training.evaluation.ensemble_metrics import almost_fair_crps
+from training.evaluation.metrics import latitude_weights, relative_l2_loss
+from training.loop.ensemble import Members
 from training.loop.rollout import max_rollout_steps, rollout_loss, step_weights
 from training.monitor.memory import GIB, host_memory_available
 from training.monitor.profiling import nvtx_range
@@ -103,6 +107,7 @@ class TrainingStep:
     rollout_recompute: bool = False  # activation checkpointing per rollout step
     # (sample indices, rollout step) -> the input-only channels (utils/data/forcing_source.py); None: none
     forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    members: Members | None = None  # a stochastic model's members and their noise (training/loop/ensemble.py)
 
     def autocast(self) -> ContextManager:
         """Autocast to ``amp_dtype`` on this device, or nothing without AMP."""
@@ -126,11 +131,13 @@ class TrainingStep:
         for micro in range(self.accum):
             inp, tar, idx = next(batches)
             indices.append(idx)
+            extra = self.forcing and partial(self.forcing, idx)
+            if self.members is not None:  # the members' states, each with its own noise (keyed by the step)
+                inp, extra = self.members.inputs(inp, idx, self.scheduler.last_epoch, extra)
             with gradient_sync(self.model, micro == self.accum - 1):
                 with nvtx_range("forward"), phase("forward"), self.autocast():
                     loss = rollout_loss(self.model, self.loss_fn, inp, tar, self.rollout_weights[:self.rollout_steps],
-                                        self.rollout_recompute, self.forcing and partial(self.forcing, idx)
-                                        ) / self.accum
+                                        self.rollout_recompute, extra) / self.accum
                 with nvtx_range("backward"), phase("backward"):
                     self.scaler.scale(loss * self.grad_factor if self.grad_factor != 1 else loss).backward()
             loss_total += loss.detach()
@@ -190,7 +197,8 @@ def check_host_memory(cfg: Config, world: World) -> None:
 
 
 def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor] | None = None,
-                        forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> TrainingStep:
+                        forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                        latitude: np.ndarray | None = None) -> TrainingStep:
     """The parallel model (``distributed/parallelize.py``: float8, DDP, FSDP, TP/CP, AC, compile), Adam (fused
     on CUDA and CPU when ``enable_fused``), the lr schedule (:func:`lr_lambda`), the GradScaler (fp16
     only: bf16, bf16_pure and fp8 need none) and the loss (compiled with ``enable_jit``), from ``cfg`` on
@@ -198,7 +206,9 @@ def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor]
 
     Weights are seeded with ``optim.seed``, so every rank starts from the same ones; ``init`` (``--init_from``'s
     plain ``state_dict``), when given, replaces them before the model is parallelized. ``forcing``: the training
-    split's input-only channels (``Data.train_forcings``), None without forcings and static fields.
+    split's input-only channels (``Data.train_forcings``), None without forcings and static fields. ``latitude``:
+    the crop's ``(H,)`` latitudes in degrees, which weight the CRPS (None: equal weights, for what only measures
+    a step: the tuner, the planner).
     """
     torch.manual_seed(cfg.optim.seed)
     opt, prec = cfg.optim, cfg.precision
@@ -206,7 +216,7 @@ def build_training_step(cfg: Config, world: World, init: dict[str, torch.Tensor]
         log_fp8_advice(torch.cuda.get_device_name(world.device), cfg.model.embed_dim)
     model = build_parallel_model(partial(_initialized_model, cfg, init), cfg.parallel, prec, world,
                                  opt.grad_accum_steps)
-    return training_step(cfg, world, model, forcing)
+    return training_step(cfg, world, model, forcing, latitude)
 
 
 def _initialized_model(cfg: Config, init: dict[str, torch.Tensor] | None) -> torch.nn.Module:
@@ -219,7 +229,8 @@ def _initialized_model(cfg: Config, init: dict[str, torch.Tensor] | None) -> tor
 
 
 def training_step(cfg: Config, world: World, model: torch.nn.Module,
-                  forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> TrainingStep:
+                  forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                  latitude: np.ndarray | None = None) -> TrainingStep:
     """The step of :func:`build_training_step` around ``model``, already parallelized for ``world`` (the dry run of
     ``training/tuner/planner.py`` builds it on fake tensors)."""
     opt, prec = cfg.optim, cfg.precision
@@ -229,9 +240,25 @@ def training_step(cfg: Config, world: World, model: torch.nn.Module,
     # Eager, the loss and its backward are ~10 passes over full-resolution fields (~4 % of an H100
     # step at short_opt); compiled, they fuse into a few kernels.
     loss_fn = torch.compile(relative_l2_loss) if prec.enable_jit else relative_l2_loss
+    members = training_members(cfg, world, latitude)
+    if opt.loss == "crps":
+        loss_fn = members.loss
     # K starts at the run's largest, so what measures a step (the tuner, the planner) measures the largest
     return TrainingStep(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(opt)),
                         torch.amp.GradScaler(world.device.type, enabled=prec.amp_mode == "fp16"), loss_fn,
                         AMP_DTYPES[prec.amp_mode], world.device, opt.grad_accum_steps, opt.max_grad_norm,
                         float8_step_hook(model, prec, world.uses_fsdp), gradient_factor(world),
-                        step_weights(opt), max_rollout_steps(opt), prec.rollout_checkpointing, forcing)
+                        step_weights(opt), max_rollout_steps(opt), prec.rollout_checkpointing, forcing, members)
+
+
+def training_members(cfg: Config, world: World, latitude: np.ndarray | None) -> Members | None:
+    """The members of a stochastic model (``noise_channels > 0``) on this rank, None for a deterministic one."""
+    if not cfg.model.noise_channels:
+        return None
+    group = world.group("ens")
+    h, w = cfg.data.img_size
+    weights = (latitude_weights(latitude, world.device) if latitude is not None
+               else torch.ones(h, device=world.device))
+    score = torch.compile(almost_fair_crps) if cfg.precision.enable_jit else almost_fair_crps
+    return Members(local_members(cfg.optim.ensemble_members, group), cfg.optim.ensemble_members,
+                   (cfg.model.noise_channels, h, w), cfg.optim.seed, group, cfg.optim.crps_alpha, weights, score)

@@ -156,8 +156,12 @@ class Trainer:
 
     def _log_world(self) -> None:
         w = self.world
-        log.info("rank %d/%d on %s (launcher %s): dp=%d cp=%d tp=%d, local batch %d, global batch %d",
-                 w.rank, w.world_size, self.device, w.env.launcher, w.dp, w.cp, w.tp, self.local_bs, self.global_bs)
+        ens = f" ens={w.ens}" if w.ens > 1 else ""
+        members = self.cfg.optim.ensemble_members
+        per_rank = f" x {members // w.ens} of {members} members" if self.cfg.model.noise_channels else ""
+        log.info("rank %d/%d on %s (launcher %s): dp=%d%s cp=%d tp=%d, local batch %d%s, global batch %d",
+                 w.rank, w.world_size, self.device, w.env.launcher, w.dp, ens, w.cp, w.tp, self.local_bs, per_rank,
+                 self.global_bs)
         if is_simulated(w.env):
             log.warning("%s", notice(self.cfg.parallel))
         if w.world_size > 1 and not w.is_main:
@@ -183,7 +187,8 @@ class Trainer:
             init = read_init_weights(Path(init_from), plain_shapes(self.cfg))
             log.info("weights from %s (a fine-tune: optimizer, schedule and step start afresh)", init_from)
         try:
-            self.step_fn = build_training_step(self.cfg, self.world, init, self.data.train_forcings)
+            self.step_fn = build_training_step(self.cfg, self.world, init, self.data.train_forcings,
+                                               self.data.latitude)
         except RuntimeError as exc:  # the host ran out while building (other processes took memory meanwhile)
             if "DefaultCPUAllocator" not in str(exc):
                 raise
@@ -260,7 +265,7 @@ class Trainer:
         if dist.is_initialized() and w.world_size > 1:
             ranks = [None] * w.world_size
             dist.all_gather_object(ranks, mine)
-        return {"world_size": w.world_size, "mesh": {"dp": w.dp, "cp": w.cp, "tp": w.tp},
+        return {"world_size": w.world_size, "mesh": {"dp": w.dp, "ens": w.ens, "cp": w.cp, "tp": w.tp},
                 "launcher": w.env.launcher, "hosts": [h for h, _ in ranks], "devices": [d for _, d in ranks],
                 **({"simulation": notice(self.cfg.parallel)} if is_simulated(w.env) else {})}
 

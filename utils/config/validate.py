@@ -33,8 +33,8 @@ def validate(cfg: Config, launch: Launch) -> None:
         UserError: the first problem found, naming the keys involved and a fix.
     """
     launch = simulated_launch(cfg, launch)
-    for check in (_check_model, _check_batches, _check_rollout, _check_precision, _check_parallel, _check_checkpoint,
-                  _check_paths):
+    for check in (_check_model, _check_batches, _check_rollout, _check_ensemble, _check_precision, _check_parallel,
+                  _check_checkpoint, _check_paths):
         check(cfg, launch)
 
 
@@ -110,12 +110,14 @@ def _divisors(n: int) -> str:
 
 
 def data_parallel_size(world_size: int, parallel: ParallelConfig) -> int:
-    """``world_size / (tp * cp)``. Raises UserError when it does not divide."""
-    tp, cp = parallel.tensor_parallel, parallel.context_parallel
-    if world_size % (tp * cp):
-        raise UserError(f"world size {world_size} is not divisible by tensor_parallel x context_parallel "
-                        f"= {tp} x {cp}; launch a multiple of {tp * cp} processes or change the sizes")
-    return world_size // (tp * cp)
+    """``world_size / (tp * cp * ens)``: the ranks that read different samples. Raises UserError when it does not
+    divide."""
+    tp, cp, ens = parallel.tensor_parallel, parallel.context_parallel, parallel.ensemble_parallel
+    if world_size % (tp * cp * ens):
+        sizes = f"tensor_parallel x context_parallel x ensemble_parallel = {tp} x {cp} x {ens}"
+        raise UserError(f"world size {world_size} is not divisible by {sizes}; launch a multiple of "
+                        f"{tp * cp * ens} processes or change the sizes")
+    return world_size // (tp * cp * ens)
 
 
 def batch_sizes(optim: OptimConfig, dp: int) -> tuple[int, int]:
@@ -257,6 +259,23 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
         if cfg.precision.amp_mode == "fp16":
             raise UserError("--fsdp_cpu_offload cannot unscale fp16 gradients on the host; "
                             "use --amp_mode bf16 (no GradScaler needed)")
+
+
+def _check_ensemble(cfg: Config, launch: Launch) -> None:
+    o, members, ens = cfg.optim, cfg.optim.ensemble_members, cfg.parallel.ensemble_parallel
+    if o.loss == "crps" and members < 2:
+        raise UserError(f"--loss crps scores an ensemble, but --ensemble_members is {members}; train 2 or more "
+                        "members (--ensemble_members 4), or use --loss l2")
+    if o.loss == "crps" and cfg.model.noise_channels < 1:
+        raise UserError("--loss crps with --noise_channels 0: a deterministic model's members would all be the same "
+                        "forecast; give the model noise inputs (--noise_channels 4)")
+    if o.loss == "l2" and members > 1:
+        raise UserError(f"--ensemble_members {members} with --loss l2: the L2 loss scores one forecast, not an "
+                        "ensemble; add --loss crps or drop --ensemble_members")
+    if members % ens:
+        raise UserError(f"--ensemble_members {members} is not divisible by --ensemble_parallel {ens}: each of the "
+                        f"{ens} ranks of an ensemble group forecasts the same number of members; pick a multiple of "
+                        f"{ens} members or another --ensemble_parallel")
 
 
 def _check_checkpoint(cfg: Config, launch: Launch) -> None:
