@@ -9,7 +9,16 @@ What it reads, scores and writes: ``training/evaluation/evaluate_run.py`` and do
 import sys
 
 from utils.core.errors import run_cli
-from training.evaluation.evaluate_run import main
+from utils.core.signals import StopOnSignal
+
+
+def main(argv: list[str]) -> None:
+    """Evaluate (``training.evaluation.evaluate_run.main``), imported here so that a signal during the imports
+    stops it in one line too."""
+    from training.evaluation.evaluate_run import main as evaluate
+    evaluate(argv)
+
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    with StopOnSignal():  # SIGTERM, SIGUSR1, Ctrl-C: one line, exit 75, no half-written output
+        sys.exit(run_cli(main))

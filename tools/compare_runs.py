@@ -19,6 +19,7 @@ from typing import Optional
 
 from utils.core.errors import ArgumentParser, UserError, run_cli
 from utils.core.files import output_path_type
+from utils.core.signals import StopOnSignal
 from training.evaluation.run_comparison import (default_out, differing_keys, finite, format_table, key_channels, load_runs,
                                    run_row, write_plots)
 
@@ -68,7 +69,8 @@ def compare(argv: Optional[list[str]] = None) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: exit status 0, or 2 with a one-line ``error: ...`` for bad input."""
-    return run_cli(compare, argv)
+    with StopOnSignal():  # SIGTERM, SIGUSR1, Ctrl-C: one line, exit 75, no half-written output
+        return run_cli(compare, argv)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from distributed.checkpoint.export import export_model
 from utils.core.errors import ArgumentParser, run_cli
 from utils.core.files import output_path_type
+from utils.core.signals import StopOnSignal
 
 
 def build_parser() -> ArgumentParser:
@@ -47,7 +48,8 @@ def export_from_args(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 with ``error: ...`` on stderr for bad input)."""
-    return run_cli(export_from_args, argv)
+    with StopOnSignal():  # SIGTERM, SIGUSR1, Ctrl-C: one line, exit 75, no half-written output
+        return run_cli(export_from_args, argv)
 
 
 if __name__ == "__main__":

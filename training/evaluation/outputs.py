@@ -8,7 +8,7 @@ from pathlib import Path
 from training.evaluation.plots import skill_figure, spectra_figure
 from training.evaluation.scoring import FORECASTS, METRICS, SPECTRA
 from utils.core.errors import UserError
-from utils.core.files import check_replaceable, write_atomic, write_text_atomic
+from utils.core.files import write_atomic, write_atomic_by_name, write_text_atomic
 
 
 def scorecard_dataset(card):
@@ -48,8 +48,7 @@ def write_scorecard(card, out: Path, channels: list[str], extra: dict, units: di
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "scorecard.json", json.dumps(payload, indent=2) + "\n")
-        check_replaceable(out / "scorecard.nc")  # netCDF writes by name: never through a link, FIFO or device
-        scorecard_dataset(card).to_netcdf(out / "scorecard.nc")
+        write_atomic_by_name(out / "scorecard.nc", scorecard_dataset(card).to_netcdf)
         for name, draw in (("scorecard.png", skill_figure), ("spectra.png", spectra_figure)):
             fig = draw(payload, channels, units, run, step)
             write_atomic(out / name, lambda f: fig.savefig(f, dpi=100, format="png"))
@@ -94,7 +93,6 @@ class ForecastWriter:
         da.lead_time.attrs["units"] = self.lead_unit
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            check_replaceable(path)  # netCDF writes by name: never through a link, FIFO or device
-            da.to_netcdf(path)
+            write_atomic_by_name(path, da.to_netcdf)  # a stopped write leaves no partial file under this name
         except OSError as exc:
             raise UserError(f"cannot write {path} ({exc.strerror or exc}); pass a writable --out") from None

@@ -51,6 +51,13 @@ class Preempted(Exception):
     """The run stopped on a signal after checkpointing: the message is printed, exit EXIT_PREEMPTED."""
 
 
+class Stopped(BaseException):
+    """A signal stopped a command that keeps no state to go on from (``evaluate.py``, the tools) at once: raised
+    from the signal handler (:class:`utils.core.signals.StopOnSignal`), a ``BaseException`` so that no ``except
+    Exception`` on the way swallows it, while every atomic write under way removes its temporary file. The
+    message is printed, exit :data:`EXIT_PREEMPTED` (the same command does the work again)."""
+
+
 def one_line(exc: BaseException | str) -> str:
     """``exc``'s message on one line (library messages may hold newlines)."""
     return " ".join(str(exc).split())
@@ -94,6 +101,9 @@ def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None) 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         status = EXIT_INTERRUPTED
+    except Stopped as exc:
+        print(exc, flush=True)
+        status = EXIT_PREEMPTED
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 0

@@ -232,15 +232,38 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], Any], overwrite: bool =
         NotOurs: ``path`` is not replaceable (:func:`check_replaceable`); nothing is written.
         OSError: or whatever ``write`` raises; the temporary file is removed and ``path`` is untouched.
     """
-    path = Path(path)
-    check_replaceable(path, overwrite)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a leftover of a killed write, or a planted link: the link itself goes
-    try:
+    def through_file(tmp: Path) -> None:
         with os.fdopen(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+    _write_renamed(Path(path), through_file, overwrite)
+
+
+def write_atomic_by_name(path: Path, write: Callable[[Path], Any], overwrite: bool = True) -> None:
+    """:func:`write_atomic` for a writer that opens its file by name (netCDF): ``write(temporary path)``, then
+    the file it made (which must be a regular file) is flushed to disk and renamed over ``path``.
+
+    Raises:
+        as :func:`write_atomic`.
+    """
+    def by_name(tmp: Path) -> None:
+        write(tmp)
+        fd = open_regular(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _write_renamed(Path(path), by_name, overwrite)
+
+
+def _write_renamed(path: Path, produce: Callable[[Path], None], overwrite: bool) -> None:
+    """``produce(<path>.tmp)``, then rename it over ``path``; on any failure or signal the temporary is removed."""
+    check_replaceable(path, overwrite)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a killed write, or a planted link: the link itself goes
+    try:
+        produce(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

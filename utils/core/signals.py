@@ -19,6 +19,8 @@ import os
 import signal
 import threading
 
+from utils.core.errors import Stopped
+
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
@@ -65,6 +67,35 @@ def install() -> PreemptionFlag:
     """
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return PREEMPTION.install()
+
+
+class StopOnSignal:
+    """For a command with no state to save (``evaluate.py``, ``tools.compare_runs``, ``tools.export_model``):
+    within ``with StopOnSignal():``, SIGTERM, SIGUSR1 or Ctrl-C stops it at once by raising :class:`Stopped` from
+    the handler (``run_cli``: one line, exit status 75). Every output is written to a temporary name and renamed
+    when complete (``utils/core/files.py``), and the exception removes the temporary file of a write under way,
+    so no half-written output is left under a final name or beside it. Handlers are restored on exit (a test
+    calls a tool's ``main`` in its own process); outside the main thread nothing is installed."""
+
+    def __init__(self):
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._stop) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    @staticmethod
+    def _stop(signum: int, frame) -> None:
+        for s in SIGNALS:  # a second signal must not cut short the clean-up the first one starts
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(f"stopped by {signal_name(signum)}: no output is left half-written (each is renamed into "
+                      "place only when complete); run the same command again")
 
 
 def signal_name(signum: int) -> str:
