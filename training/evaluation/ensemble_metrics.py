@@ -58,3 +58,60 @@ def almost_fair_crps(members: torch.Tensor, target: torch.Tensor, weights: torch
         eps = (1.0 - alpha) / m
         score = score - (1.0 - eps) / (2 * m * (m - 1)) * member_pair_sum(x)
     return (score * weights.view(1, 1, -1, 1)).mean(dim=(-2, -1))
+
+
+def ensemble_mean_mse(members: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted MSE of the ensemble mean per sample and channel: ``mean_{h,w} weights_h (xbar - y)^2``.
+
+    ``members`` ``(B, M, C, H, W)``, ``target`` ``(B, C, H, W)``, ``weights`` ``(H,)`` (mean 1). Returns float32
+    ``(B, C)`` in squared units; averaged over initial times before the square root it is WeatherBench 2's
+    ensemble-mean RMSE (``EnsembleMeanMSE``, Rasp et al. 2024).
+    """
+    err = (members.float().mean(dim=1) - target.float()) ** 2
+    return (err * weights.view(1, 1, -1, 1)).mean(dim=(-2, -1))
+
+
+def ensemble_variance(members: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted mean of the unbiased ensemble variance per sample and channel:
+    ``mean_{h,w} weights_h 1/(M - 1) sum_j (x_j - xbar)^2`` (WeatherBench 2's ``EnsembleVariance``; 0 for one member).
+
+    ``members`` ``(B, M, C, H, W)``, ``weights`` ``(H,)``. Returns float32 ``(B, C)`` in squared units.
+    """
+    x = members.float()
+    if x.shape[1] < 2:
+        return x.new_zeros(x.shape[0], x.shape[2])
+    return (x.var(dim=1, correction=1) * weights.view(1, 1, -1, 1)).mean(dim=(-2, -1))
+
+
+def rank_counts(members: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Area-weighted counts of the truth's rank among the members, summed over samples and grid points.
+
+    The rank of ``y`` is the number of members below it, ``0 .. M`` (``M + 1`` bins, Hamill 2001). A truth equal
+    to ``e`` members could take any rank from ``below`` to ``below + e``: each of those ``e + 1`` bins gets
+    ``1 / (e + 1)`` of it, so that a calibrated ensemble's histogram stays flat (as ``scores.probability.rank_histogram``
+    counts ties; WeatherBench 2 breaks them at random instead). Each grid point counts its latitude weight
+    (mean 1), so one sample adds ``H * W`` in all, as many as it has points.
+
+    ``members`` ``(B, M, C, H, W)``, ``target`` ``(B, C, H, W)``, ``weights`` ``(H,)``. Returns float32 ``(C, M + 1)``.
+    """
+    x, y = members.float(), target.float().unsqueeze(1)
+    below = (x < y).sum(dim=1)  # (B, C, H, W)
+    ties = (x == y).sum(dim=1)
+    share = 1.0 / (ties + 1).float() * weights.view(1, 1, -1, 1)
+    bins = [((below <= k) & (k <= below + ties)) * share for k in range(x.shape[1] + 1)]
+    return torch.stack([b.sum(dim=(0, 2, 3)) for b in bins], dim=-1)
+
+
+def spread_skill_ratio(spread: torch.Tensor, skill: torch.Tensor, members: int) -> torch.Tensor:
+    """``sqrt((M + 1) / M) * spread / skill``: the spread/skill ratio with the finite-ensemble correction.
+
+    ``spread``: the root of the time-mean ensemble variance; ``skill``: the ensemble-mean RMSE (same shape and
+    units). A perfectly reliable ensemble of ``M`` members has expected ensemble-mean MSE ``(M + 1) / M`` times its
+    expected ensemble variance (Fortin et al. 2014, "Why should ensemble spread match the RMSE of the ensemble
+    mean?", J. Hydrometeorology 15, eq. 3 onwards), so the corrected ratio is 1 for it at any ``M``. WeatherBench 2
+    plots the uncorrected ``spread / skill`` (``visualization.compute_spread_skill_ratio``: ``ensemble_stddev /
+    ensemble_mean_rmse``): multiply by ``sqrt(M / (M + 1))`` to compare. 0 where the skill is 0.
+    """
+    factor = ((members + 1) / members) ** 0.5
+    return torch.where(skill > 0, factor * spread / skill.clamp_min(torch.finfo(torch.float32).tiny),
+                       torch.zeros_like(skill))

@@ -30,10 +30,12 @@ import torch
 from torch import nn
 
 from distributed.world import World, all_reduce
+from training.evaluation.ensemble_scoring import Ensemble, EnsembleSums, format_ensemble
 from training.evaluation.metrics import (blurring_band, relative_l2_loss, rmse_from_mse, weighted_acc_channels,
                                          weighted_bias_channels, weighted_mse_channels, zonal_power_spectrum)
 from training.monitor.profiling import nvtx_range
 from utils.data.forcing_source import append_forcings
+from utils.data.noise import EVALUATION, member_noise, repeat_members
 from utils.data.stats import Stats
 from utils.data.timestep import lead_label
 
@@ -53,20 +55,46 @@ FIRST_LEAD_KEYS = (("model", "rmse", "rmse"), ("model", "acc", "acc"), ("model",
 
 
 def rollout(model: nn.Module, inp: torch.Tensor, steps: int, autocast: Callable[[], ContextManager],
-            forcing: Callable[[int], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+            forcing: Callable[[int], torch.Tensor] | None = None,
+            noise: Callable[[int], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
     """Yield the model's forecasts at leads 1..``steps``, each fed back as the next input.
 
     ``inp``: normalized float32 ``(B, C, H, W)``; yields float32 ``(B, C, H, W)`` (the model runs
     under ``autocast()``; its output is cast back so every step starts from the same precision).
     ``forcing(j)``: the ``(B, F + S, H, W)`` input-only channels of lead ``j + 1`` (``utils/data/forcing_source.py``),
-    appended to each step's input; None without forcings.
+    appended to each step's input; None without forcings. ``noise(j)``: the ``(B, Z, H, W)`` noise fields of model
+    application ``j`` of a stochastic model, appended last (``utils/data/noise.py``); None for a deterministic one.
     """
     x = inp
     for j in range(steps):
+        extra = [e for e in (forcing and forcing(j), noise and noise(j)) if e is not None]
         with autocast():
-            x = model(append_forcings(x, forcing and forcing(j)))
+            x = model(append_forcings(x, torch.cat(extra, 1) if extra else None))
         x = x.float()
         yield x
+
+
+def member_rollout(model: nn.Module, inp: torch.Tensor, samples: list[int], steps: int,
+                   autocast: Callable[[], ContextManager], members: Ensemble,
+                   forcing: Callable[[int], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+    """Yield ``members.count`` forecasts of each state at leads 1..``steps``, float32 ``(B, N, C, H, W)``.
+
+    The states ``inp`` ``(B, C, H, W)`` and their forcings are repeated for the members (sample-major); a
+    stochastic model gets, at every lead, each member's own noise keyed by ``(seed, EVALUATION, 0, sample, member,
+    lead index)`` (``utils.data.noise.member_noise``): ``samples`` are the states' global sample indices, so a
+    member's forecast depends neither on the batch nor on the rank that draws it. ``forcing(j)`` as in
+    :func:`rollout`.
+    """
+    b, n = inp.shape[0], members.count
+    h, w = inp.shape[-2:]
+    repeated = forcing and (lambda j: repeat_members(forcing(j), n))
+    noise = None
+    if members.noise_channels:
+        shape = (members.noise_channels, h, w)
+        noise = lambda j: member_noise((members.seed, EVALUATION, 0), samples, range(n), j, shape,  # noqa: E731
+                                       inp.device)
+    for x in rollout(model, repeat_members(inp, n), steps, autocast, repeated, noise):
+        yield x.view(b, n, *x.shape[1:])
 
 
 def lead_hours(dt: int, step_hours: float, steps: int) -> list[float]:
@@ -87,7 +115,9 @@ class Scorecard:
     months or years): RMSE and bias in the channel's physical units, ACC in [-1, 1]. ``initial_times`` counts
     the forecasts averaged; ``climatology`` names what ACC and the climatology forecast used. ``spectra``:
     ``{"wavenumber": [0..M], "model"|"truth": {channel: [power by wavenumber, one list per lead]}}`` in squared
-    channel units; ``blurring[channel]``: the blurring figure by lead.
+    channel units; ``blurring[channel]``: the blurring figure by lead. ``members``: the members scored per initial
+    time (0: no ensemble scores; with more than one, ``scores["model"]`` is the ensemble mean's);
+    ``ensemble``: :meth:`EnsembleSums.scores` (CRPS, ensemble-mean RMSE, spread, spread/skill, rank histogram).
     """
 
     leads: list[float]
@@ -98,6 +128,8 @@ class Scorecard:
     climatology: str = ""
     spectra: dict | None = None
     blurring: dict[str, list[float]] | None = None
+    members: int = 0
+    ensemble: dict | None = None
 
     @property
     def lead_hours(self) -> list[float] | None:
@@ -111,11 +143,14 @@ class Scorecard:
 
     def to_json(self, spectra: bool = True) -> dict:
         """The layout of ``scorecard.json``: ``lead_time`` (in ``lead_time_unit``), ``lead_hours`` (hours and days
-        only), ``channels``, ``initial_times``, ``climatology``, ``scores``, ``blurring`` and, with ``spectra``,
-        the ``spectra`` (left out of the training record, where they would repeat at every validation)."""
+        only), ``channels``, ``initial_times``, ``climatology``, ``scores``, ``blurring``, with ensemble scores
+        ``members`` and ``ensemble``, and, with ``spectra``, the ``spectra`` (left out of the training record, where
+        they would repeat at every validation)."""
         out = {"lead_time": self.leads, "lead_time_unit": self.lead_unit, "lead_hours": self.lead_hours,
                "channels": self.channels, "initial_times": self.initial_times, "climatology": self.climatology,
                "scores": self.scores, "blurring": self.blurring}
+        if self.ensemble is not None:
+            out.update(members=self.members, ensemble=self.ensemble)
         if spectra and self.spectra is not None:
             out["spectra"] = self.spectra
         return out
@@ -176,12 +211,16 @@ def format_scorecard(card: Scorecard, channels: list[str], max_rows: int = 12) -
     persistence) and the blurring figure by lead, at most ``max_rows`` leads (evenly spread, the last
     included), and up to which lead the model beats each baseline; then one summary line for every channel
     of the card: the leads it beats persistence and climatology up to, its bias and blurring at
-    :func:`summary_leads`."""
+    :func:`summary_leads`. A card with ensemble scores adds, per channel, their lines
+    (:func:`ensemble_scoring.format_ensemble`)."""
     n = len(card.leads)
     shown = min(n, max_rows)
     rows = sorted({round(i * (n - 1) / max(1, shown - 1)) for i in range(shown)})
     lines = [f"skill over {card.initial_times} initial times (RMSE and bias in channel units; ACC against the "
              f"climatology)", f"climatology: {card.climatology or 'time mean'}"]
+    if card.members > 1:
+        lines.append(f"model: the mean of {card.members} members (RMSE, ACC, bias, blurring); CRPS, spread and rank "
+                     "histogram of the members")
     for ch in channels:
         r, a, b = ({f: card.scores[f][m][ch] for f in FORECASTS} for m in METRICS)
         blur = card.blurring[ch] if card.blurring else [float("nan")] * n
@@ -192,6 +231,8 @@ def format_scorecard(card: Scorecard, channels: list[str], max_rows: int = 12) -
                   f"{b['model'][j]:>10.3g} {b['persistence'][j]:>11.3g}  {blur[j]:>8.3g}" for j in rows]
         for baseline in FORECASTS[1:]:
             lines.append(f"{'':>10}  model RMSE below {baseline}: {beats_text(card, ch, baseline)}")
+        if card.ensemble is not None:
+            lines += format_ensemble(card, ch, rows)
     picks = summary_leads(card)
     at = ", ".join(card.label(j) for j in picks)
     lines += ["", f"summary: up to which lead the model's RMSE stays below persistence and below climatology; "
@@ -210,14 +251,16 @@ class SkillSums:
 
     Per forecast, lead and channel: the latitude-weighted MSE and bias (normalized units) and the ACC, summed
     over initial times; per lead and channel the zonal power spectra (physical units) of the model and the
-    truth; the relative L2 loss of the first lead summed over samples.
+    truth; the relative L2 loss of the first lead summed over samples; with ``members``, the
+    :class:`EnsembleSums` of that many members as ``ensemble`` (else None).
 
     Args:
         rows: latitude rows the spectra average (``metrics.spectrum_rows``); default all.
+        members: members per initial time whose ensemble scores are summed; None: no ensemble scores.
     """
 
     def __init__(self, n_leads: int, n_channels: int, device: torch.device, n_wavenumbers: int = 1,
-                 rows: torch.Tensor | None = None):
+                 rows: torch.Tensor | None = None, members: int | None = None):
         self.mse = torch.zeros(len(FORECASTS), n_leads, n_channels, device=device)
         self.acc = torch.zeros_like(self.mse)
         self.bias = torch.zeros_like(self.mse)
@@ -225,6 +268,7 @@ class SkillSums:
         self.rows = rows
         self.loss = torch.zeros((), device=device)
         self.count = torch.zeros((), device=device)
+        self.ensemble = None if members is None else EnsembleSums(n_leads, n_channels, members, device)
 
     def add(self, inp: torch.Tensor, forecasts: Iterable[torch.Tensor], tar: torch.Tensor, stats: Stats,
             weights: torch.Tensor, baselines: bool = True, clim: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,7 +299,8 @@ class SkillSums:
 
     def reduce(self, world: World) -> None:
         """Sum over the data-parallel ranks (collective)."""
-        parts = (self.mse, self.acc, self.bias, self.spectra, self.loss.view(1), self.count.view(1))
+        parts = (self.mse, self.acc, self.bias, self.spectra, self.loss.view(1), self.count.view(1),
+                 *(self.ensemble.parts() if self.ensemble is not None else ()))
         packed = torch.cat([p.flatten() for p in parts])
         all_reduce(packed, world, "dp")
         start = 0
@@ -284,15 +329,17 @@ class SkillSums:
         card_spectra = {"wavenumber": list(range(spectra.shape[-1])),
                         **{s: {ch: [lead[c] for lead in lists[i]] for c, ch in enumerate(channels)}
                            for i, s in enumerate(SPECTRA)}}
+        ensemble = self.ensemble.scores(std, list(channels)) if self.ensemble is not None else None
         return Scorecard(list(leads), list(channels), scores, int(self.count.item()), lead_unit, climatology,
-                         card_spectra, {ch: [lead[c] for lead in blurring] for c, ch in enumerate(channels)})
+                         card_spectra, {ch: [lead[c] for lead in blurring] for c, ch in enumerate(channels)},
+                         self.ensemble.members if self.ensemble is not None else 0, ensemble)
 
 
 def score_rollouts(model: nn.Module, batches: Iterable, stats: Stats, weights: torch.Tensor, steps: int,
                    autocast: Callable[[], ContextManager], on_batch: Callable | None = None,
                    baselines: bool = True, climatology: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   rows: torch.Tensor | None = None, forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None
-                   ) -> tuple[SkillSums, list]:
+                   rows: torch.Tensor | None = None, forcing: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                   members: Ensemble | None = None) -> tuple[SkillSums, list]:
     """Roll ``model`` out ``steps`` times from every batch ``(inp (B, C, H, W), tar (B, K >= steps, C, H, W), idx)``
     and sum the scores (this rank's share; reduce with :meth:`SkillSums.reduce`).
 
@@ -303,16 +350,27 @@ def score_rollouts(model: nn.Module, batches: Iterable, stats: Stats, weights: t
     (``evaluate.py --save_forecasts``; the figure of the first sample). Returns the sums and, per batch, ``(idx,
     finite)``: which samples scored finite (for naming NaN/Inf data). Without ``baselines`` only the model is
     scored.
+
+    With ``members``, every initial time gets ``members.count`` members (:func:`member_rollout`), scored by
+    ``sums.ensemble``; the deterministic scores are the ensemble mean's, and ``on_batch`` sees the members,
+    ``(B, N, C, H, W)`` by lead.
     """
     model.eval()
-    sums = SkillSums(steps, stats.std.shape[1], weights.device, stats.clim.shape[-1] // 2 + 1, rows)
+    sums = SkillSums(steps, stats.std.shape[1], weights.device, stats.clim.shape[-1] // 2 + 1, rows,
+                     members and members.count)
     checks = []
     with torch.no_grad():
         for inp, tar, idx in batches:
+            step_forcing = forcing and partial(forcing, idx)
             with nvtx_range("validation"):
-                forecasts = list(rollout(model, inp, steps, autocast, forcing and partial(forcing, idx)))
+                if members is None:
+                    forecasts = list(rollout(model, inp, steps, autocast, step_forcing))
+                else:
+                    forecasts = list(member_rollout(model, inp, idx.tolist(), steps, autocast, members, step_forcing))
+                    sums.ensemble.add(forecasts, tar, weights)
             clim = climatology(idx)[:, :steps] if climatology is not None else None
-            checks.append((idx, sums.add(inp, forecasts, tar, stats, weights, baselines, clim)))
+            means = forecasts if members is None else [f.mean(1) for f in forecasts]
+            checks.append((idx, sums.add(inp, means, tar, stats, weights, baselines, clim)))
             if on_batch is not None:
                 on_batch(inp, forecasts, tar, idx)
     return sums, checks
