@@ -5,6 +5,7 @@
     python benchmarks/multi_gpu.py --suite vit2b --out benchmarks/results/vit2b.json
     python benchmarks/multi_gpu.py --suite tp --data_path /data/full --out benchmarks/results/tp.json
     python benchmarks/multi_gpu.py --suite offload --gpus_max 2 --out benchmarks/results/offload.json
+    python benchmarks/multi_gpu.py --suite ensemble --gpus_max 2 --out benchmarks/results/ensemble.json
 
 Each variant is a ``train.py`` (or ``train_mp.py``) run of two epochs; the second epoch's samples/s,
 MFU and per-GPU memory (maximum over ranks) are reported. Prints a table and saves JSON. A suite too long
@@ -93,6 +94,23 @@ def tp(args) -> list[tuple]:
     return out
 
 
+def ensemble(args) -> list[tuple]:
+    """Ensemble training's cost (``short``, local batch ``--local_batch`` initial states, compiled): the deterministic
+    model, then the CRPS with M = 2 and 4 members on one GPU and, with ``--gpus_max 2``, the same members spread over
+    two GPUs (``--ensemble_parallel 2``: each GPU forecasts M / 2 members of the same samples). samples/s counts
+    initial states, so M members cost about M times the deterministic step."""
+    bs, name = args.local_batch, args.config or "short"
+    base = ["--config", name, "--local_batch_size", str(bs), "--limit_nsamples", str(bs * args.steps)] + OPT + SYNTH
+    crps = ["--noise_channels", "4", "--loss", "crps"]
+    out = [("deterministic", 1, base)]
+    for m in (2, 4):
+        out.append((f"crps_m{m}", 1, base + crps + ["--ensemble_members", str(m)]))
+    if args.gpus_max >= 2:
+        for m in (2, 4):
+            out.append((f"crps_m{m}_ens2", 2, base + crps + ["--ensemble_members", str(m), "--ensemble_parallel", "2"]))
+    return out
+
+
 def torchrun(n: int) -> list[str]:
     """The launcher of a variant on ``n`` GPUs of this node."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
@@ -157,7 +175,7 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp, "offload": offload}
+SUITES = {"scaling": scaling, "fsdp": fsdp, "vit2b": vit2b, "tp": tp, "offload": offload, "ensemble": ensemble}
 COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), ("per GPU", "per_gpu", ".1f"),
            ("efficiency", "efficiency", ".1%"), ("MFU", "mfu", ".1%"),
            ("peak alloc GiB", "memory/peak_allocated", ".2f"), ("peak reserved GiB", "memory/peak_reserved", ".2f"),
@@ -177,7 +195,7 @@ def main(argv: list[str] | None = None, runner: Callable = run_variant) -> int:
                     help="vit2b: --fsdp_prefetch depths; the batch search runs with the first, the others at its result")
     ap.add_argument("--config", default="", help="config name (default: short / mp / vit_2b by suite)")
     ap.add_argument("--steps", type=int, default=16, help="steps per epoch")
-    ap.add_argument("--local_batch", type=int, default=16, help="offload: local batch size")
+    ap.add_argument("--local_batch", type=int, default=16, help="offload, ensemble: local batch size")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--data_path", default="")
     ap.add_argument("--entry", default="train.py")
@@ -203,7 +221,7 @@ def main(argv: list[str] | None = None, runner: Callable = run_variant) -> int:
         for r in rows:
             if base and "per_gpu" in r:
                 r["efficiency"] = r["per_gpu"] / base
-    if args.suite in ("fsdp", "tp", "offload") and rows:
+    if args.suite in ("fsdp", "tp", "offload", "ensemble") and rows:
         compare(rows, rows[0])
     rows.save()
     print(table(rows, COLUMNS))

@@ -185,3 +185,22 @@ def test_the_plan_counts_the_forcing_and_static_channels():
     # rank 0's ZeRO-3 share of the patch embedding weight: 64 x (C x 4 x 4) floats, C 4 -> 10
     assert wide["parameters"] - base["parameters"] == 4 * 64 * 6 * 16 // 2
     assert wide["activations"] > base["activations"]
+
+
+def test_the_plan_counts_the_members_on_a_rank_and_the_ensemble_group():
+    """A rank forecasting m members of each sample holds about m times a deterministic rank's activations; spread
+    over an ensemble group of 2 it holds half of them, and NCCL's allowance counts the ensemble group."""
+    stochastic = ["--noise_channels", "2", "--fsdp", "zero3", "--simulate_world_size", "4"]
+
+    def activations(*args):
+        return dry_run(config(*stochastic, *args), LaunchEnv())[0].parts["activations"]
+    one = activations()
+    four = activations("--loss", "crps", "--ensemble_members", "4")
+    spread = activations("--loss", "crps", "--ensemble_members", "4", "--ensemble_parallel", "2")
+    assert 3 * one < four and 1.5 * one < spread < 0.75 * four, (one, four, spread)
+
+
+def test_nccl_allowance_counts_the_ensemble_group(simulated):
+    cfg, world = simulated("--simulate_world_size", "8", "--noise_channels", "2", "--loss", "crps",
+                           "--ensemble_members", "4", "--ensemble_parallel", "2")
+    assert nccl_allowance(cfg, world, {}).groups == [("world", 8), ("dp", 4), ("ens", 2), ("dp_ens", 8)]

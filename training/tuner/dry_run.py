@@ -65,7 +65,7 @@ def fake_plan(cfg: Config, world: World) -> RankPlan:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=world.device)
         if world.ddp:  # DDP's reducer needs real tensors: stepped unwrapped (see meta_model)
-            model = parallelize_model(model, cfg.parallel, cfg.precision, replace(world, dp=1))
+            model = parallelize_model(model, cfg.parallel, cfg.precision, replace(world, dp=1, ens=1))
         c, (h, w) = cfg.data.n_in_channels, cfg.data.img_size
         step = training_step(cfg, world, model, nominal_forcings(cfg.data, DEFAULT_STEP_HOURS, world.device))
         k = max_rollout_steps(cfg.optim)  # the step runs the run's largest K (training/loop/step.py)

@@ -42,11 +42,11 @@ class NcclAllowance:
 
 
 def nccl_allowance(cfg: Config, world: World, environ=os.environ) -> NcclAllowance:
-    """The allowance for the collective groups this rank joins: the whole world, ``dp``, ``tp``, ``cp`` and the
+    """The allowance for the collective groups this rank joins: the whole world, ``dp``, ``ens``, ``tp``, ``cp`` and the
     dimensions data parallelism reduces over; ``NCCL_BUFFSIZE`` and ``NCCL_MAX_NCHANNELS`` from ``environ``
     (set them as the job will) or the defaults above."""
     groups: dict[str, tuple[str, int]] = {}
-    meshes = [world.meshes[name] for name in ("dp", "tp", "cp")] if world.meshes else []
+    meshes = [world.meshes[name] for name in ("dp", "ens", "tp", "cp")] if world.meshes else []
     if world.meshes:
         meshes.append(data_parallel_mesh(cfg.parallel, world))
     for mesh in meshes:
