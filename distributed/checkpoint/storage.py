@@ -200,8 +200,17 @@ class SafeReader(dcp.FileSystemReader):
     """
 
     def checked(self) -> SafeReader:
-        """This reader, its metadata read and checked now: DCP, reading damaged metadata itself, would log its own
-        tracebacks beside our line (on the root logger), so loads check it first."""
+        """This reader, its folder checked for links and its metadata read and checked now: DCP, reading damaged
+        metadata itself, would log its own tracebacks beside our line (on the root logger), so loads check it
+        first.
+
+        Raises:
+            UserError: a file of the folder is a symbolic link (named as one: DCP and ``torch.load`` open files
+                by name and would follow it, also where no checksum would catch it); as :meth:`read_metadata`.
+        """
+        linked = next((p for p in sorted(Path(self.path).iterdir()) if p.is_symlink()), None)
+        if linked is not None:
+            raise UserError(linked_message(linked))
         self.read_metadata()
         return self
 
@@ -276,9 +285,9 @@ def check_model_shapes(folder: Path, expected: dict[str, tuple[int, ...]]) -> No
         UserError: tensors missing, extra, or of other shapes (another embed_dim, depth, channel count, grid or
             patch size), naming the first ones.
     """
+    metadata = SafeReader(folder).checked().read_metadata()  # first: a linked file is named as a link
     for per_rank in sorted(Path(folder).glob("rank*.pt")):
         load_plain(per_rank)
-    metadata = SafeReader(folder).checked().read_metadata()
     saved = {key.removeprefix("model."): tuple(item.size) for key, item in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(item, dcp_metadata.TensorStorageMetadata)}
     problems = [f"{k} is {saved[k]} there, {expected[k]} here" for k in expected if k in saved and saved[k] != expected[k]]
@@ -315,6 +324,12 @@ def write_hashed(path: Path, obj: Any) -> str:
     return digest[0]
 
 
+def linked_message(path: Path) -> str:
+    """The refusal of a checkpoint file that is a symbolic link, naming it as one (not as damage)."""
+    return (f"{path} is a symbolic link, not a file this checkpoint wrote: it is never followed; put the file "
+            "itself there")
+
+
 def mismatched_file(folder: Path, manifest: dict[str, str], rank: int = 0, ranks: int = 1) -> str | None:
     """The first of this rank's share (``rank``-th of every ``ranks``) of ``manifest``'s files that is missing or
     differs from its checksum, as a message; None when all match. The files are hashed by WRITE_THREADS
@@ -327,8 +342,7 @@ def mismatched_file(folder: Path, manifest: dict[str, str], rank: int = 0, ranks
     with ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="checkpoint-verify") as pool:
         for name, ok in zip(names, pool.map(matches, names)):
             if not ok and "/" not in name and (Path(folder) / name).is_symlink():
-                return (f"{Path(folder) / name} is a symbolic link, not a file this checkpoint wrote: it is never "
-                        "followed; put the file itself there")
+                return linked_message(Path(folder) / name)
             if not ok:
                 return (f"{Path(folder) / name} does not match its checksum in {CHECKSUMS} (changed or damaged "
                         "after it was written)")

@@ -67,6 +67,21 @@ def test_a_hard_linked_run_file_is_never_written_through(tiny_data, tmp_path, fi
     assert outside.read_text() == PRECIOUS and (finished_run / "run.json").read_text() == record
 
 
+@pytest.mark.parametrize("name", ["__0_0.distcp", "rank0.pt"])
+def test_a_linked_checkpoint_file_is_named_as_a_link_without_checksums(tiny_data, tmp_path, finished_run, name):
+    """With ``--checkpoint_checksums false`` no manifest catches a linked shard or per-rank file (DCP and
+    ``torch.load`` followed it, #45 item 5): the checkpoint is refused naming the link, the previous one loads."""
+    latest = finished_run / "checkpoints" / (finished_run / "checkpoints" / "latest").read_text().strip()
+    outside = tmp_path / "outside"
+    (latest / name).rename(outside)
+    (latest / name).symlink_to(outside)
+    proc = go_on(tiny_data, tmp_path, "--checkpoint_checksums", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (finished_run / "out.log").read_text()
+    assert f"{latest / name} is a symbolic link, not a file this checkpoint wrote" in log
+    assert "resumed at iteration 20 " in log
+
+
 def test_a_torn_metrics_line_is_dropped_and_the_run_goes_on(tiny_data, tmp_path, finished_run):
     """What a SIGKILL or full disk during an append leaves: the resume warns and goes on (it used to end in a
     traceback at every later resume)."""

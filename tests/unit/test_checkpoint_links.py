@@ -42,3 +42,22 @@ def test_a_linked_step_folder_is_refused(tmp_path):
     (run / "latest").write_text("step_00000099\n")
     with pytest.raises(UserError, match=r"step_00000099 is a symbolic link.*remove it"):
         load_candidates(run)
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "rank0.pt"])
+def test_a_linked_file_of_a_checkpoint_without_checksums_is_named_as_a_link(tmp_path, name):
+    """Without a manifest (``--checkpoint_checksums false``, or a checkpoint older than checksums) nothing would
+    catch a linked shard or per-rank file: DCP and ``torch.load`` open them by name and followed the link."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from distributed.checkpoint.storage import SafeReader, check_model_shapes
+    folder = tmp_path / "step_00000010"
+    dcp.save({"model.w": torch.ones(2)}, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"step": 10}, folder / "rank0.pt")
+    outside = tmp_path / f"outside_{name}"
+    (folder / name).rename(outside)
+    (folder / name).symlink_to(outside)
+    for load in (lambda: SafeReader(folder).checked(), lambda: check_model_shapes(folder, {"w": (2,)})):
+        with pytest.raises(UserError, match=rf"{name} is a symbolic link, not a file this checkpoint wrote"):
+            load()
