@@ -2,24 +2,32 @@
 
     python evaluate.py --run_dir runs/tiny/1GPU/00 --lead_steps 20
     python evaluate.py --run_dir RUN_DIR --lead_steps 40 --split valid --step 500 --init_every 4 --save_forecasts
+    python evaluate.py --run_dir RUN_DIR --lead_steps 20 --ensemble_members 8   # a stochastic model's ensemble
     torchrun --nproc_per_node 4 evaluate.py --run_dir RUN_DIR --lead_steps 40   # initial times split over ranks
 
 Loads the run's ``config.yaml`` and a checkpoint (sharded, or a single ``.pt`` file), rolls the model out
 ``--lead_steps`` times from every ``--init_every``-th initial time of the split (of the run's data, or of
 ``--data_path``, normalized with the run's statistics), and scores each lead
 for the model, persistence and climatology (``training/evaluation/scoring.py``; the climatology of each valid
-time from ``stats/climatology.h5`` when the data have it, else the time mean). Writes to ``--out`` (default
-``<run_dir>/evaluation/``):
+time from ``stats/climatology.h5`` when the data have it, else the time mean). With ``--ensemble_members N``
+(a model trained with noise inputs) every initial time gets N members (``training/evaluation/ensemble_scoring.py``):
+RMSE, ACC, bias and the spectra are the ensemble mean's; every run, a deterministic one as one member, also gets
+the fair CRPS, ensemble-mean RMSE, spread, spread/skill ratio and rank histogram (docs/ensembles.md). Writes to
+``--out`` (default ``<run_dir>/evaluation/``):
 
 * ``scorecard.json``: ``{"lead_time": [...], "lead_time_unit": "hours", "lead_hours": [...], "channels": [...],
   "initial_times": N, "climatology": "...", "checkpoint_step": ..., "scores": {"model"|"persistence"|"climatology":
-  {"rmse"|"acc"|"bias": {channel: [one value per lead]}}}, "blurring": {channel: [...]}, "spectra": {...}}``;
+  {"rmse"|"acc"|"bias": {channel: [one value per lead]}}}, "blurring": {channel: [...]}, "spectra": {...},
+  "members": N, "ensemble": {"crps"|"ensemble_mean_rmse"|"spread"|"spread_skill": {channel: [...]},
+  "rank_histogram": {channel: [[count per rank] per lead]}}}``;
 * ``scorecard.nc``: the same as an xarray Dataset: ``skill(metric, forecast, channel, lead_time)``,
-  ``spectrum(source, channel, lead_time, wavenumber)``, ``blurring(channel, lead_time)``;
+  ``spectrum(source, channel, lead_time, wavenumber)``, ``blurring(channel, lead_time)``,
+  ``ensemble_skill(ensemble_metric, channel, lead_time)``, ``rank_histogram(channel, lead_time, rank)``;
 * ``scorecard.png``: RMSE, ACC and bias against lead time, and ``spectra.png``: zonal power spectra at a few
-  leads against the truth, for the key channels;
+  leads against the truth, for the key channels; with N > 1, ``rank_histogram.png``;
 * with ``--save_forecasts``: ``forecasts.nc`` (one file per rank under torchrun: ``forecasts_rank<r>.nc``),
-  the forecasts in physical units by initial time, lead time, channel, latitude and longitude.
+  the forecasts in physical units by initial time, (member, with N > 1,) lead time, channel, latitude and
+  longitude.
 
 Lead times are in the data's own time step (hours, days, months or years). A relative ``data_path`` of the run's
 config is found from the current directory or the repository root, so ``--run_dir`` works from anywhere. Ends
@@ -61,12 +69,15 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--save_forecasts", action="store_true", help="also write the forecasts as netCDF")
     p.add_argument("--channels", default=None, help="comma-separated channels for the table and figure "
                                                      "(default: the run's key channels)")
+    p.add_argument("--ensemble_members", type=int, default=1,
+                   help="members per initial time, each with its own noise (a model trained with --noise_channels; "
+                        "default 1)")
     return p
 
 
 def check_args(args) -> None:
     """Raise UserError for out-of-range arguments (before anything is loaded)."""
-    for name in ("lead_steps", "init_every", "batch_size"):
+    for name in ("lead_steps", "init_every", "batch_size", "ensemble_members"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name} must be at least 1, got {value}")
@@ -84,11 +95,13 @@ def main(argv: list[str]) -> None:
 
     from distributed.launch import detect_launch
     from distributed.world import distributed_session
+    from training.evaluation.ensemble_scoring import check_members
     from utils.config.loading import load_run_config
     from utils.config.schema import ParallelConfig
     from utils.core.logs import setup_logging
 
     cfg = load_run_config(args.run_dir)
+    check_members(args.ensemble_members, cfg.model.noise_channels, "--ensemble_members")
     launch = detect_launch()
     # the checkpoint holds the single-GPU layout: every rank runs the plain model on its share of initial times
     parallel = ParallelConfig(rendezvous_timeout_s=cfg.parallel.rendezvous_timeout_s,
@@ -106,7 +119,8 @@ def evaluate(args, cfg, world) -> None:
     from distributed.checkpoint.export import load_checkpoint_model
     from training.evaluation.evaluator import checked_latitude_weights
     from training.evaluation.metrics import spectrum_rows
-    from training.evaluation.outputs import ForecastWriter, write_scorecard
+    from training.evaluation.ensemble_scoring import Ensemble
+    from training.evaluation.outputs import ForecastWriter, write_rank_histogram, write_scorecard
     from training.evaluation.scoring import format_scorecard, lead_times, score_rollouts
     from utils.data.forcing_source import dataset_forcings, input_roles
     from utils.data.loaders import split_batches
@@ -143,7 +157,8 @@ def evaluate(args, cfg, world) -> None:
         sums, _ = score_rollouts(model, batches, stats, checked_latitude_weights(lat, device), args.lead_steps,
                                  autocast, writer.add if writer else None,
                                  climatology=stats.sample_climatology(dataset),
-                                 rows=torch.as_tensor(spectrum_rows(lat), device=device), forcing=forcing)
+                                 rows=torch.as_tensor(spectrum_rows(lat), device=device), forcing=forcing,
+                                 members=Ensemble(args.ensemble_members, cfg.model.noise_channels, cfg.optim.seed))
     finally:
         batches.close()
     sums.reduce(world)
@@ -161,7 +176,11 @@ def evaluate(args, cfg, world) -> None:
                         units, run, step)
         print(f"model: {run} at step {step}, trained with {trained}; {input_roles(data)}", flush=True)
         print(format_scorecard(card, key_channels), flush=True)
-        print(f"wrote {out / 'scorecard.json'}, scorecard.nc, scorecard.png and spectra.png", flush=True)
+        figures = "scorecard.png and spectra.png"
+        if card.members > 1:
+            write_rank_histogram(card, out, key_channels, run, step)
+            figures = "scorecard.png, spectra.png and rank_histogram.png"
+        print(f"wrote {out / 'scorecard.json'}, scorecard.nc, {figures}", flush=True)
 
 
 def training_rollout(cfg) -> str:

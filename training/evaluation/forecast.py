@@ -5,6 +5,7 @@
     f = Forecaster.from_run("runs/tiny/1CPU/00")                 # or Forecaster.from_file("model.pt")
     state = Forecaster.read_state("data/tiny/valid/2004.h5", 0)   # or any xarray.Dataset of the channels
     forecast = f.forecast(state, lead_steps=20)                   # xarray.Dataset, physical units
+    ensemble = f.forecast(state, lead_steps=20, members=8)        # a stochastic model's members (member dim)
 
 The model file ``checkpoints/model.pt`` (``distributed/checkpoint/export.py``: :func:`package_meta`) holds the
 weights with the config section by section, the normalization statistics, channel names and units, the grid,
@@ -25,7 +26,8 @@ import torch
 from distributed.checkpoint.export import load_checkpoint_model
 from networks.model_file import FINAL_MODEL, PACKAGE_FORMAT, package_meta
 from networks.vit import build_model
-from training.evaluation.scoring import rollout
+from training.evaluation.ensemble_scoring import Ensemble, check_members
+from training.evaluation.scoring import member_rollout
 from utils.config.loading import load_run_config
 from utils.config.schema import KEYS, Config
 from utils.config.types import coerce
@@ -187,27 +189,36 @@ class Forecaster:
             coords["time"] = axis.time(t)
         return xr.Dataset({n: (("latitude", "longitude"), state[i]) for i, n in enumerate(names)}, coords=coords)
 
-    def forecast(self, initial_state, lead_steps: int, batch_size: int = 8):
-        """Roll the model out ``lead_steps`` times from ``initial_state``.
+    def forecast(self, initial_state, lead_steps: int, batch_size: int = 8, members: int = 1):
+        """Roll the model out ``lead_steps`` times from ``initial_state``, ``members`` times for a stochastic model.
 
         Args:
             initial_state: an ``xarray.Dataset`` with a variable for each of :attr:`channels` (physical units)
                 over ``latitude``/``lat`` and ``longitude``/``lon`` holding the model's grid (a larger grid is
                 cut to it), optionally with one more leading dimension of initial times (e.g. ``time``).
             lead_steps: model steps, >= 1.
-            batch_size: initial times per model call.
+            batch_size: initial times per model call (each ``members`` times).
+            members: forecasts per initial state, >= 1. A model trained with noise inputs (``noise_channels`` > 0)
+                draws each member with its own noise, keyed by the run's seed, the state's position in
+                ``initial_state``, the member and the lead (``utils/data/noise.py``): the same call gives the same
+                members; ``members=1`` draws one member. A deterministic model forecasts one.
 
         Returns:
-            An ``xarray.Dataset``: per channel ``([init dim,] lead_time, latitude, longitude)`` float32 in the
-            channel's units (attribute ``units``); ``lead_time`` in the data's time-step unit (attribute
-            ``units``); ``valid_time`` where the initial times are datetimes.
+            An ``xarray.Dataset``: per channel ``([init dim,] [member,] lead_time, latitude, longitude)`` float32 in
+            the channel's units (attribute ``units``), the ``member`` dimension (``0 .. members - 1``) only when
+            ``members`` > 1; ``lead_time`` in the data's time-step unit (attribute ``units``); ``valid_time`` where
+            the initial times are datetimes.
 
         Raises:
-            UserError: a channel is missing, the grid does not hold the model's, or ``lead_steps`` < 1.
+            UserError: a channel is missing, the grid does not hold the model's, ``lead_steps`` < 1, ``members`` < 1,
+                or ``members`` > 1 of a deterministic model (its members would be identical).
         """
         import xarray as xr
         if lead_steps < 1:
             raise UserError(f"lead_steps must be at least 1, got {lead_steps}")
+        noise_channels = self.config.model.noise_channels
+        check_members(members, noise_channels, "members")
+        ensemble = Ensemble(members, noise_channels, self.config.optim.seed)
         x, init_dim, init = self._stack(initial_state)
         valid = self._valid_times(init, lead_steps) if init is not None else None
         times = self._forcing_times(valid, len(x), lead_steps)
@@ -216,17 +227,22 @@ class Forecaster:
             for start in range(0, len(x), batch_size):
                 inp = (torch.from_numpy(x[start:start + batch_size]).to(self.device) - self.mean) / self.std
                 forcing = self.inputs and partial(self._forcing, times, start, len(inp))
-                steps = [(y * self.std + self.mean).cpu()
-                         for y in rollout(self.model, inp, lead_steps, self.autocast, forcing)]
-                out.append(torch.stack(steps, 1))
-        values = torch.cat(out).numpy()  # (N, L, C, H, W)
+                samples = list(range(start, start + len(inp)))
+                steps = [(y * self.std + self.mean).cpu() for y in member_rollout(
+                    self.model, inp, samples, lead_steps, self.autocast, ensemble, forcing)]
+                out.append(torch.stack(steps, 2))
+        values = torch.cat(out).numpy()  # (N, M, L, C, H, W)
+        if members == 1:
+            values = values[:, 0]
         leads = [j * float(self.time_step.value) for j in range(1, lead_steps + 1)]
-        dims = ("lead_time", "latitude", "longitude") if init_dim is None else (init_dim, "lead_time", "latitude",
-                                                                                 "longitude")
-        data = {ch: xr.Variable(dims, values[:, :, c] if init_dim else values[0, :, c],
+        dims = (*((init_dim,) if init_dim else ()), *(("member",) if members > 1 else ()), "lead_time", "latitude",
+                "longitude")
+        data = {ch: xr.Variable(dims, values[..., c, :, :] if init_dim else values[0, ..., c, :, :],
                                 {"units": self.channel_units[c]}) for c, ch in enumerate(self.channels)}
         coords = {"lead_time": xr.Variable("lead_time", leads, {"units": self.time_step.unit}),
                   "latitude": self.latitude, "longitude": self.longitude}
+        if members > 1:
+            coords["member"] = np.arange(members)
         if init is not None:
             coords[init_dim or "time"] = init
             if valid is not None:

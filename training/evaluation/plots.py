@@ -112,3 +112,33 @@ def spectra_figure(scorecard: dict, channels: list[str], units: dict[str, str] |
         ax.legend(fontsize="x-small")
     fig.suptitle(title(run, step, "spectra at |latitude| <= 60 degrees"))
     return fig
+
+
+def rank_histogram_figure(scorecard: dict, channels: list[str], run: str | None = None, step: int | None = None,
+                          leads: list[int] | None = None):
+    """Rank histograms of the truth among the ensemble members: the share of each rank ``0 .. N`` (bars) at a few leads
+    (indices ``leads``, default the first, middle and last), one panel per channel, with the flat ``1 / (N + 1)`` of
+    a calibrated ensemble (a U shape: too little spread; a dome: too much; a slope: a bias). Needs
+    ``scorecard["ensemble"]["rank_histogram"]`` (area-weighted counts) and ``scorecard["members"]``. Returns a
+    matplotlib Figure (the caller closes it)."""
+    counts, n = scorecard["ensemble"]["rank_histogram"], scorecard["members"]
+    labels, unit = scorecard["lead_time"], scorecard.get("lead_time_unit", "hours")
+    picks = leads if leads is not None else sorted({0, len(labels) // 2, len(labels) - 1})
+    width = 0.8 / len(picks)
+    ranks = np.arange(n + 1)
+    fig, axes = plt.subplots(1, len(channels), figsize=(3.8 * len(channels) + 0.6, 3.2), squeeze=False,
+                             constrained_layout=True)
+    for ax, ch in zip(axes[0], channels):
+        for i, j in enumerate(picks):
+            values = np.asarray(counts[ch][j], dtype=np.float64)
+            share = values / max(values.sum(), np.finfo(np.float64).tiny)
+            ax.bar(ranks + (i - (len(picks) - 1) / 2) * width, share, width,
+                   label=f"{labels[j]:g} {'h' if unit == 'hours' else unit}")
+        ax.axhline(1.0 / (n + 1), color="grey", linestyle="--", linewidth=0.8, label="flat (calibrated)")
+        ax.set_title(f"rank histogram {ch}")
+        ax.set_xlabel(f"rank of the truth among {n} members")
+        ax.set_ylabel("share of grid points (area-weighted)")
+        ax.set_xticks(ranks)
+        ax.legend(fontsize="x-small")
+    fig.suptitle(title(run, step, "rank histograms"))
+    return fig
