@@ -36,6 +36,7 @@ from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from distributed.ddp import FixedBucketsDDP
 from distributed.simulate import is_simulated
 from distributed.tensor_parallel import apply_tensor_context_parallel
 from distributed.world import World
@@ -259,11 +260,11 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
         replicate(model, mesh=data_parallel_mesh(parallel, world),
                   mp_policy=mixed_precision(parallel, precision.amp_mode))
     elif world.ddp:
-        model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
-                    process_group=data_parallel_mesh(parallel, world).get_group(), bucket_cap_mb=parallel.bucket_cap_mb,
-                    gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
-                    # static_graph trips an internal assert under no_sync (gradient accumulation)
-                    static_graph=parallel.ddp_static_graph and grad_accum_steps == 1)
+        model = FixedBucketsDDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None,
+                                process_group=data_parallel_mesh(parallel, world).get_group(),
+                                bucket_cap_mb=parallel.bucket_cap_mb, gradient_as_bucket_view=True, **_NO_BUFFER_SYNC,
+                                # static_graph trips an internal assert under no_sync (gradient accumulation)
+                                static_graph=parallel.ddp_static_graph and grad_accum_steps == 1)
         if is_simulated(world.env):
             # the fake process group's all-reduce returns no tensor, which DDP's reducer rejects; the no-op
             # hook hands back the bucket in place, as NCCL's all-reduce does, so the memory is the real rank's

@@ -13,12 +13,14 @@ from tests.jobs import assert_same_state, final_state, metrics, reference_run, r
 
 
 # (ranks, arguments, whether to re-run the finished run too: that path does not depend on the
-# parallelism, and a launch of 4 processes costs ~10 s of start-up on 2 cores)
+# parallelism, and a launch of 4 processes costs ~10 s of start-up on 2 cores). 3 and 4 data-parallel ranks:
+# a sum of 3 or more addends depends on their order, which an all-reduce must keep across a restart
 @pytest.mark.parametrize("ranks,extra,again", [
-    (1, [], True), (2, [], True), (2, ["--fsdp", "zero3"], True),
+    (1, [], True), (2, [], True), (3, ["--global_batch_size", "9"], False), (4, ["--fsdp", "zero3"], False),
     (2, ["--tensor_parallel", "2"], False), (2, ["--context_parallel", "2"], False),
     (4, ["--tensor_parallel", "2", "--fsdp", "zero3"], False),
-], ids=["one process", "DDP 2 ranks", "FSDP ZeRO-3 2 ranks", "tp 2", "cp 2", "tp 2 x FSDP ZeRO-3 dp 2"])
+], ids=["one process", "DDP 2 ranks", "DDP 3 ranks", "FSDP ZeRO-3 4 ranks", "tp 2", "cp 2",
+        "tp 2 x FSDP ZeRO-3 dp 2"])
 def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory, ranks, extra,
                                                           again):
     # the uninterrupted run (shared with other tests of the session that need the same one)
