@@ -114,6 +114,25 @@ def test_a_full_disk_under_out_log_is_one_line_and_a_failure(tiny_data, tmp_path
     assert log.stat().st_size <= limit
 
 
+def test_a_file_size_limit_below_the_batch_buffers_is_one_line(tiny_data, tmp_path):
+    """``ulimit -f 100`` (#45 item 7): the loader's shared-memory batch buffers, files of /dev/shm, cannot grow to
+    their size. One line naming the limit, exit 2, before the run directory exists (it was two tracebacks, the
+    second from ``BatchSlots.__del__`` of the half-built object, and exit 1). Python ignores SIGXFSZ from its
+    start, so the resize fails with EFBIG instead of killing the process; the child ignores it explicitly all the
+    same, as ``ulimit`` in a shell leaves it at its default."""
+    import resource
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100 << 10, resource.RLIM_INFINITY))
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *RUN, "--data_path", str(tiny_data), "--expdir",
+                           str(tmp_path / "runs")], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=limited)
+    assert_one_line_error(proc, ["shared-memory batch buffers", "file-size limit (100 KiB, ulimit -f)",
+                                 "ulimit -f unlimited"])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_huge_run_record_is_not_read(tiny_data, tmp_path, finished_run):
     with open(finished_run / "run.json", "wb") as f:
         f.truncate(1 << 40)  # sparse: 1 TiB of zeros that read whole would take the host's memory

@@ -5,14 +5,39 @@ from __future__ import annotations
 
 import gc
 import math
+import resource
 from typing import Iterator, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from utils.core.errors import UserError
+from utils.core.errors import UserError, free_space
 from utils.data.dataset import ERA5Dataset, check_start_batch
 from utils.data.stats import Stats
+
+
+def shared_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 tensor of ``shape`` in shared memory (a file of ``/dev/shm``, which the workers map).
+
+    Raises:
+        UserError: the file cannot be made that large: the process's file-size limit (``ulimit -f``) is below it,
+            or ``/dev/shm`` is full; naming the sizes and what to do.
+    """
+    buf = torch.empty(shape, dtype=torch.float32)
+    try:
+        return buf.share_memory_()
+    except RuntimeError as exc:  # torch's "unable to resize file ...: File too large (27)" / "No space left"
+        if not any(word in str(exc) for word in ("File too large", "No space left", "unable to resize")):
+            raise
+        size = f"{buf.nbytes / 2**20:.1f} MiB"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and limit < buf.nbytes:
+            raise UserError(f"the loader's shared-memory batch buffers ({size}) exceed this process's file-size "
+                            f"limit ({limit / 2**10:.0f} KiB, ulimit -f); raise it (ulimit -f unlimited), which "
+                            "checkpoints and logs need too") from None
+        raise UserError(f"the loader's shared-memory batch buffers ({size}) do not fit in /dev/shm "
+                        f"({free_space('/dev/shm')}); free space there, or lower --local_batch_size or "
+                        "--num_data_workers") from None
 
 
 class BatchSlots:
@@ -26,10 +51,8 @@ class BatchSlots:
     """
 
     def __init__(self, k: int, batch_size: int, n_channels: int, img_size, pin: bool, *, target_steps: int):
-        self.k = k
-        self.buf = torch.empty((k, 1 + target_steps, batch_size, n_channels, *img_size),
-                               dtype=torch.float32).share_memory_()
-        self.pinned = False
+        self.k, self.pinned = k, False  # pinned first: __del__ of a half-built object reads it
+        self.buf = shared_buffer((k, 1 + target_steps, batch_size, n_channels, *img_size))
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.nbytes, 0)
             if int(err) != 0:
