@@ -28,7 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-STDERR_TAIL = 3000  # characters of a failed worker's stderr that its failure message quotes
+# characters of a failed worker's stderr that its failure message quotes: its start (a C++ abort's
+# ``terminate called ...`` line comes before the faulthandler stacks of every thread that follow it) and its end
+STDERR_HEAD, STDERR_TAIL = 2000, 3000
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, errq, logdir: str) -> None:
@@ -59,19 +61,21 @@ def stderr_path(logdir: str, rank: int) -> str:
     return os.path.join(logdir, f"rank{rank}.stderr")
 
 
-def stderr_tail(path: str, limit: int = STDERR_TAIL) -> str:
-    """The last ``limit`` characters of the file at ``path`` (from a line start where one is near), or a note
-    that it is empty or missing."""
+def stderr_excerpt(path: str, head: int = STDERR_HEAD, tail: int = STDERR_TAIL) -> str:
+    """The first ``head`` and the last ``tail`` characters of the file at ``path`` (cut at line starts where
+    one is near), the whole file when it is no longer, or a note that it is empty or missing."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError as exc:
         return f"(no stderr: {exc})"
     if not text.strip():
         return "(stderr empty)"
-    if len(text) > limit:
-        text = text[-limit:]
-        text = "[...]" + (text[text.index("\n"):] if "\n" in text[:200] else text)
-    return text.rstrip()
+    if len(text) <= head + tail:
+        return text.rstrip()
+    first, last = text[:head], text[-tail:]
+    first = first[: first.rindex("\n")] if "\n" in first[-200:] else first
+    last = last[last.index("\n") + 1:] if "\n" in last[:200] else last
+    return f"{first.rstrip()}\n[... {len(text) - len(first) - len(last)} characters ...]\n{last.rstrip()}"
 
 
 def run_distributed(fn, world_size: int, *args) -> None:
@@ -84,8 +88,8 @@ def run_distributed(fn, world_size: int, *args) -> None:
     moment (``MASTER_PORT`` in the ranks): no port is chosen first and bound later, which another test running
     beside this one (``pytest -n 2``) could take in between. Each rank's stderr goes to a file of its own: a
     failure names the rank that failed first and how (its exception, or the signal or exit status it died of)
-    and quotes the tail of that rank's stderr (the C++ message of an abort, the Python stacks that
-    ``faulthandler`` writes at a fatal signal), then the other ranks' stderr where they wrote any.
+    and quotes the start and the end of that rank's stderr (the C++ message of an abort, then the Python stacks
+    that ``faulthandler`` writes at a fatal signal), then the other ranks' stderr where they wrote any.
     """
     errq = context().SimpleQueue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
@@ -112,12 +116,12 @@ def failure_message(exc: ProcessException, errq, logdir: str, world_size: int) -
         head = f"rank {rank} of {world_size} (pid {exc.error_pid}) {exit_reason(exc.exit_code)}"
     else:
         head = f"rank {rank} of {world_size} raised:\n{raised[rank]}" if rank in raised else str(exc)
-    parts = [head, f"--- stderr of rank {rank} (last {STDERR_TAIL} characters):",
-             stderr_tail(stderr_path(logdir, rank))]
+    parts = [head, f"--- stderr of rank {rank} (first {STDERR_HEAD} and last {STDERR_TAIL} characters):",
+             stderr_excerpt(stderr_path(logdir, rank))]
     for other in range(world_size):
-        tail = stderr_tail(stderr_path(logdir, other), 800)
-        if other != rank and not tail.startswith("("):
-            parts += [f"--- stderr of rank {other} (last 800 characters):", tail]
+        excerpt = stderr_excerpt(stderr_path(logdir, other), 400, 800)
+        if other != rank and not excerpt.startswith("("):
+            parts += [f"--- stderr of rank {other} (first 400 and last 800 characters):", excerpt]
     return "\n".join(parts)
 
 

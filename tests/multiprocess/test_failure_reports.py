@@ -1,4 +1,4 @@
-"""The multi-process test helpers say why a worker died: the signal's name and the tail of its stderr."""
+"""The multi-process test helpers say why a worker died: the signal's name and its stderr's start and end."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from tests.forked import run_forked
 
 
 def _abort_worker(rank: int, world_size: int) -> None:
-    """Rank 1 writes a line to stderr and aborts, as a C++ ``std::terminate`` does; rank 0 returns."""
+    """Rank 1 writes a line to stderr, then more than the quoted tail holds, and aborts, as a C++
+    ``std::terminate`` does (its message, then every thread's stack); rank 0 returns."""
     if rank == 1:
-        print("rank 1 about to abort: marker-7f3a", file=sys.stderr, flush=True)
+        print("rank 1 about to abort: marker-7f3a", file=sys.stderr)
+        print("filler line\n" * 1000, file=sys.stderr, flush=True)
         os.abort()
 
 
@@ -23,7 +25,8 @@ def test_run_distributed_names_the_signal_and_quotes_stderr():
         run_distributed(_abort_worker, 2)
     message = str(failed.value)
     assert "rank 1 of 2" in message and "killed by signal SIGABRT" in message, message
-    assert "rank 1 about to abort: marker-7f3a" in message, message  # what it wrote before
+    assert "rank 1 about to abort: marker-7f3a" in message, message  # what it wrote first
+    assert "characters ...]" in message and message.count("filler line") < 1000, message  # the middle left out
     # faulthandler's Python stack of the abort, down to the function that called it
     assert "Fatal Python error: Aborted" in message and "_abort_worker" in message, message
 
