@@ -13,6 +13,7 @@ from torch import nn
 
 from distributed.simulate import is_simulated
 from distributed.world import World, all_reduce
+from training.evaluation.ensemble_scoring import Ensemble
 from training.evaluation.metrics import latitude_weights, spectrum_rows
 from training.evaluation.scoring import score_rollouts
 from utils.config.schema import EvaluationConfig
@@ -33,14 +34,17 @@ class Evaluator(Component):
         world: this rank's place in the job.
         leads: the lead time of each rollout step in hours (``training.evaluation.scoring.lead_hours``; nominal
             hours for monthly and annual data): the scores report them in the data's own time-step unit.
+        members: a stochastic model's members drawn per initial time (``training.evaluation.ensemble_scoring``;
+            every rank of an ensemble group draws all of them); None for a deterministic model.
 
     Raises:
         UserError: a configured key or plot channel is not in the data, the data's latitudes
             cannot weight the scores, or the climatology file does not fit the validation data.
     """
 
-    def __init__(self, cfg: EvaluationConfig, data: Data, world: World, leads: list[float]):
-        self.cfg, self.data, self.world = cfg, data, world
+    def __init__(self, cfg: EvaluationConfig, data: Data, world: World, leads: list[float],
+                 members: Ensemble | None = None):
+        self.cfg, self.data, self.world, self.members = cfg, data, world, members
         self.steps = cfg.valid_rollout_steps
         dataset = data.valid_dataset
         step = dataset.time_step if dataset is not None else TimeStep.from_hours(data.step_hours)
@@ -99,12 +103,13 @@ class Evaluator(Component):
 
         def keep_first(inp, forecasts, tar, idx) -> None:
             """The first sample's first forecast and target, for the figure (cloned: loader buffers are reused)."""
-            if not first:
-                first.append((forecasts[0][0].clone(), tar[0, 0].clone()))
+            if not first:  # of an ensemble, the first member
+                pred = forecasts[0][0] if self.members is None else forecasts[0][0, 0]
+                first.append((pred.clone(), tar[0, 0].clone()))
 
         sums, checks = score_rollouts(model, self.data.valid, self.data.stats, self.lat_weights, self.steps,
                                       autocast, keep_first if self.world.is_main else None, self.baselines is None,
-                                      self.climatology, self.rows, self.data.valid_forcings)
+                                      self.climatology, self.rows, self.data.valid_forcings, self.members)
         sums.reduce(self.world)
         if self.baselines is None:
             self.baselines = (sums.mse[1:].clone(), sums.acc[1:].clone(), sums.bias[1:].clone(),
@@ -117,6 +122,9 @@ class Evaluator(Component):
         card = sums.scorecard(self.data.stats.std, self.leads, self.data.channel_names, self.lead_unit,
                               self.climatology_source)
         record = {"loss/valid": values[-1], "valid_samples": card.initial_times, **card.first_lead_record()}
+        if card.ensemble is not None:  # the ensemble mean's RMSE is rmse/<ch>; its CRPS and spread beside it
+            record.update({f"{score}/{ch}": card.ensemble[score][ch][0] for score in VALIDATION_ENSEMBLE_SCORES
+                           for ch in card.channels})
         figures = {}
         if self.steps > 1:
             record.update(card.lead_record(self.key_channels), scorecard=card.to_json(spectra=False))
@@ -150,6 +158,10 @@ class Evaluator(Component):
         to_np = lambda x: (x[ch] * std + mean).float().cpu().numpy()  # noqa: E731
         return prediction_figure(to_np(pred), to_np(target), names[ch], self.units[names[ch]], self.data.latitude,
                                  self.longitude, self.run_name, step, lead)
+
+
+# a stochastic model's first-lead ensemble scores in the epoch record
+VALIDATION_ENSEMBLE_SCORES = ("crps", "spread", "spread_skill")
 
 
 def checked_latitude_weights(latitude, device: torch.device) -> torch.Tensor:

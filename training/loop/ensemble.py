@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from distributed.ensemble_parallel import gather_members, local_members
 from training.evaluation.ensemble_metrics import almost_fair_crps
+from training.evaluation.ensemble_scoring import Ensemble
+from utils.config.schema import Config
 from utils.data.forcing_source import append_forcings
 from utils.data.noise import TRAINING, member_noise, repeat_members
 
@@ -74,3 +76,12 @@ class Members:
         m = len(self.members)
         local = pred.reshape(pred.shape[0] // m, m, *pred.shape[1:])
         return self.score(gather_members(local, self.group), target, self.weights, self.alpha).mean()
+
+
+def validation_members(cfg: Config) -> Ensemble | None:
+    """The members validation draws per initial time of a stochastic model (``valid_ensemble_members``, by default
+    the training's ``ensemble_members``), with the run's seed; None for a deterministic model."""
+    if not cfg.model.noise_channels:
+        return None
+    count = cfg.evaluation.valid_ensemble_members or cfg.optim.ensemble_members
+    return Ensemble(count, cfg.model.noise_channels, cfg.optim.seed)

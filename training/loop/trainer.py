@@ -41,6 +41,7 @@ from distributed.world import World, all_reduce, main_decides
 from networks.model_file import package_meta, read_init_weights
 from training.evaluation.evaluator import Evaluator, nonfinite_samples
 from training.evaluation.scoring import lead_hours
+from training.loop.ensemble import validation_members
 from training.loop.rollout import max_rollout_steps, rollout_steps_at
 from training.loop.run_dir import RunDir, open_run_dir, run_record
 from training.loop.state import TrainState
@@ -97,7 +98,8 @@ class Trainer:
                                valid_init_every=cfg.evaluation.valid_init_every,
                                train_target_steps=max_rollout_steps(cfg.optim))
         self.evaluator = Evaluator(cfg.evaluation, self.data, world,
-                                   lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps))
+                                   lead_hours(cfg.data.dt, self.data.step_hours, cfg.evaluation.valid_rollout_steps),
+                                   validation_members(cfg))
         self._check_crop(cfg)
         self.steps_per_epoch = self._steps_per_epoch()
         self.amp_dtype = AMP_DTYPES[cfg.precision.amp_mode]

@@ -255,6 +255,8 @@ class EvaluationConfig:
                                       "times (1: one step ahead)", AT_LEAST_1)
     valid_init_every: int = key(1, "validation: start forecasts at every n-th time step of each validation file "
                                    "(fewer initial times: cheaper rollouts)", AT_LEAST_1)
+    valid_ensemble_members: int = key(0, "validation of a stochastic model (noise_channels > 0): members drawn per "
+                                         "initial time (0: ensemble_members of training)", NON_NEGATIVE)
 
 
 @dataclass
