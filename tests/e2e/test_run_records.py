@@ -116,3 +116,18 @@ def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
     assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing appended
     fresh = _train(tmp_path, tiny_data, "--lr", "5e-3")  # another config: a new run number
     assert fresh.returncode == 0 and (tmp_path / "runs" / "tiny" / "1CPU" / "08").is_dir()
+
+
+def test_a_killed_run_is_recorded_as_killed_when_it_goes_on(tiny_data, tmp_path):
+    """#45 item 8: rank 0 SIGKILLed mid-run leaves run.json at ``running``; the next start records ``killed``
+    with the last checkpoint, and that record stays in the resume's entry once the run completes."""
+    from tests.jobs import run_job, run_path
+    [(status, _, _)] = run_job(tmp_path, tiny_data, [], 1, signal_at=13)  # checkpoints every 5 steps: 10 is last
+    record = json.loads((run_path(tmp_path, 1) / "run.json").read_text())
+    assert status == -9 and record["status"] == "running"
+    [(status, _, err)] = run_job(tmp_path, tiny_data, [], 1)
+    assert status == 0, err[-3000:]
+    record = json.loads((run_path(tmp_path, 1) / "run.json").read_text())
+    assert record["status"] == "completed" and record["resumes"][-1]["step"] == 10
+    after = record["resumes"][-1]["after"]
+    assert after["status"] == "killed" and after["last_checkpoint"] == "step_00000010" and "killed" in after["error"]

@@ -84,7 +84,7 @@ def open_run_dir(logging_cfg: LoggingConfig, resume: str, config_name: str, worl
     naming the ``--run_num`` of each; none ends the command when a matching run is complete (nothing to do), else
     the next free number is a new run. ``--resume never`` always takes the next free number. An explicit
     ``--run_num`` is that directory: a new run there, or its run when the settings match. A run found
-    ``running`` with no live owner died without a word (SIGKILL, a lost node): it is marked ``interrupted``. The
+    ``running`` with no live owner died without a word (SIGKILL, a lost node): it is marked ``killed``. The
     note names the run, the reason and the flag for the alternative.
 
     Raises:

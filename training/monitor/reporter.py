@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from distributed.checkpoint.folder import read_latest
 from training.monitor.memory import format_memory
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
@@ -58,16 +59,27 @@ DIED = "stopped without a word (killed, or its node was lost): no live process h
 
 def mark_if_dead(run_dir: Path, locked: bool = False) -> dict:
     """``run_dir``'s record; one that says ``running`` while no live process holds the directory (``locked``: the
-    caller holds it itself) is a run that died without a word (SIGKILL, a lost node): it is marked
-    ``interrupted`` in ``run.json`` (when the file can be written) and returned so."""
+    caller holds it itself) is a run that died without a word (SIGKILL, a lost node): it is marked ``killed``
+    in ``run.json``, with the name of its last complete checkpoint (``last_checkpoint``, null without one), when
+    the file can be written, and returned so. A resume keeps this in its entry of ``resumes`` (``after``)."""
     record = read_run_record(run_dir)
     if record.get("status") == "running" and (locked or not is_held(run_dir)):
-        record.update(status="interrupted", error=DIED)
+        record.update(status="killed", error=DIED, last_checkpoint=last_checkpoint(run_dir))
         try:
             write_json_atomic(Path(run_dir) / "run.json", record)
         except OSError:
-            pass  # a read-only copy of the run: reported as interrupted all the same
+            pass  # a read-only copy of the run: reported as killed all the same
     return record
+
+
+def last_checkpoint(run_dir: Path) -> str | None:
+    """The name of the newest complete checkpoint of the run in ``run_dir`` (the step folder ``latest`` names), or
+    None without one (a damaged or linked ``latest`` included: the resume names it)."""
+    try:
+        folder = read_latest(Path(run_dir) / "checkpoints")
+    except UserError:
+        return None
+    return folder.name if folder is not None else None
 
 
 # run.json's status -> the HParams tab's: a preempted run goes on when requeued; an interrupted one may not
@@ -170,7 +182,10 @@ class Reporter(Component):
 
     def _resumed_record(self, record: dict[str, Any], step: int) -> dict[str, Any]:
         first = read_run_record(self.run_dir)
-        resumes = first.get("resumes", []) + [{"time": now(), "step": step, "command": record["command"]}]
+        # how the run stopped before this resume (killed, preempted, ...), which the new status replaces
+        after = {k: first[k] for k in ("status", "error", "last_checkpoint") if first.get(k) is not None}
+        resumes = first.get("resumes", []) + [{"time": now(), "step": step, "command": record["command"],
+                                               "after": after}]
         return {**record, "started": first.get("started", record["started"]), "resumes": resumes}
 
     def _truncate_metrics(self, step: int) -> None:
