@@ -18,6 +18,10 @@ power spectrum of the model's forecast and of the truth (rows within +-60 degree
 times) and the blurring figure: forecast over truth power in the smallest resolved third of the zonal
 wavenumbers (``metrics.blurring_band``). Every data-parallel rank scores its shard of initial times; the sums
 are all-reduced, so every rank returns the same scorecard.
+
+Ensembles (:func:`member_rollout`, ``ensemble_scoring.py``): N members per initial time, each with its own noise;
+the scores above are then the ensemble mean's, and the members get the fair CRPS, ensemble-mean RMSE, spread,
+spread/skill ratio and rank histogram (docs/ensembles.md).
 """
 
 from __future__ import annotations
