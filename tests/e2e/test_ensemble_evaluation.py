@@ -4,6 +4,7 @@ few steps, evaluated by ``evaluate.py --ensemble_members 3`` and forecast by ``F
 * the forecasts file has a member dimension, the members differ, and the scorecard's ensemble scores equal a
   recomputation from the saved forecasts and the truth with the ``scores`` library (the deterministic scores are
   the ensemble mean's);
+* two ranks (torchrun's variables, gloo) score the same members: the same scorecard;
 * a deterministic run evaluated as one member gets the CRPS, equal to its mean absolute error;
 * bad input is one line: members asked of a deterministic model, fewer than one member.
 """
@@ -60,6 +61,14 @@ def evaluated(run: Path, out: Path, members: int) -> tuple[dict, xr.DataArray, s
         return json.loads((out / "scorecard.json").read_text()), da.load(), proc.stdout
 
 
+@pytest.fixture(scope="module")
+def ensemble(stochastic, tmp_path_factory) -> tuple[dict, xr.DataArray, str, Path]:
+    """``evaluate.py --ensemble_members 3 --save_forecasts`` of the stochastic run: scorecard, forecasts, output,
+    and the output folder."""
+    out = tmp_path_factory.mktemp("evaluated") / "eval"
+    return (*evaluated(stochastic, out, MEMBERS), out)
+
+
 def truth(tiny_data: Path, forecasts: xr.DataArray) -> tuple[xr.DataArray, xr.DataArray]:
     """The valid split's fields at each forecast's valid time ``(init_time, lead_time, channel, latitude, longitude)``
     and the latitude weights, from the one validation file (initial time ``i`` is its step ``INIT_EVERY * i``)."""
@@ -74,15 +83,15 @@ def truth(tiny_data: Path, forecasts: xr.DataArray) -> tuple[xr.DataArray, xr.Da
             xr.DataArray(weights, dims="latitude", coords={"latitude": forecasts.latitude}))
 
 
-def test_members_are_scored_as_the_scores_library_scores_the_saved_forecasts(stochastic, tiny_data, tmp_path):
-    card, forecasts, stdout = evaluated(stochastic, tmp_path / "eval", MEMBERS)
+def test_members_are_scored_as_the_scores_library_scores_the_saved_forecasts(ensemble, tiny_data):
+    card, forecasts, stdout, out = ensemble
     n = card["initial_times"]
     assert forecasts.dims == ("init_time", "member", "lead_time", "channel", "latitude", "longitude")
     assert forecasts.shape == (n, MEMBERS, LEADS, 4, 32, 64) and card["members"] == MEMBERS
     spread = forecasts.std("member")
     assert float(spread.min()) > 0  # every point: the members differ (their own noise at every lead)
     assert "model: the mean of 3 members" in stdout and "rank_histogram.png" in stdout
-    assert (tmp_path / "eval" / "rank_histogram.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "rank_histogram.png").read_bytes()[:4] == b"\x89PNG"
     y, w = truth(tiny_data, forecasts)
     e = card["ensemble"]
     for ch in ("u10m", "t2m"):
@@ -102,9 +111,22 @@ def test_members_are_scored_as_the_scores_library_scores_the_saved_forecasts(sto
         np.testing.assert_allclose(counts.sum(1), n * 32 * 64, rtol=1e-5)
         np.testing.assert_allclose(counts / counts.sum(1, keepdims=True), ranks.transpose("lead_time", "rank").values,
                                    atol=1e-5)
-    with xr.open_dataset(tmp_path / "eval" / "scorecard.nc") as ds:
+    with xr.open_dataset(out / "scorecard.nc") as ds:
         assert ds.attrs["members"] == MEMBERS and ds.rank_histogram.shape == (4, LEADS, MEMBERS + 1)
         np.testing.assert_allclose(ds.ensemble_skill.sel(ensemble_metric="crps", channel="t2m"), e["crps"]["t2m"])
+
+
+def test_two_ranks_score_the_same_members(stochastic, ensemble, tmp_path):
+    (tmp_path / "eval").mkdir()
+    procs = launch_entry(ROOT / "evaluate.py", ["--run_dir", str(stochastic), "--lead_steps", str(LEADS), "--init_every",
+                                                str(INIT_EVERY), "--out", str(tmp_path / "eval"), "--ensemble_members",
+                                                str(MEMBERS), "--batch_size", "2"], tmp_path, ranks=2)
+    assert all(p.returncode == 0 for p in procs), procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
+    got, want = json.loads((tmp_path / "eval" / "scorecard.json").read_text()), ensemble[0]
+    assert got["initial_times"] == want["initial_times"] and got["members"] == MEMBERS
+    for score, by_channel in want["ensemble"].items():
+        for ch, values in by_channel.items():
+            np.testing.assert_allclose(got["ensemble"][score][ch], values, rtol=1e-5, err_msg=f"{score} {ch}")
 
 
 def test_the_forecaster_draws_members_and_the_same_ones_again(stochastic, tiny_data):

@@ -90,14 +90,13 @@ def member_rollout(model: nn.Module, inp: torch.Tensor, samples: list[int], step
     :func:`rollout`.
     """
     b, n = inp.shape[0], members.count
-    h, w = inp.shape[-2:]
+    shape = (members.noise_channels, *inp.shape[-2:])
+
+    def noise(j: int) -> torch.Tensor:
+        return member_noise((members.seed, EVALUATION, 0), samples, range(n), j, shape, inp.device)
+
     repeated = forcing and (lambda j: repeat_members(forcing(j), n))
-    noise = None
-    if members.noise_channels:
-        shape = (members.noise_channels, h, w)
-        noise = lambda j: member_noise((members.seed, EVALUATION, 0), samples, range(n), j, shape,  # noqa: E731
-                                       inp.device)
-    for x in rollout(model, repeat_members(inp, n), steps, autocast, repeated, noise):
+    for x in rollout(model, repeat_members(inp, n), steps, autocast, repeated, noise if shape[0] else None):
         yield x.view(b, n, *x.shape[1:])
 
 
