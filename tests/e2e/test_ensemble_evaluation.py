@@ -118,9 +118,9 @@ def test_members_are_scored_as_the_scores_library_scores_the_saved_forecasts(ens
 
 def test_two_ranks_score_the_same_members(stochastic, ensemble, tmp_path):
     (tmp_path / "eval").mkdir()
-    procs = launch_entry(ROOT / "evaluate.py", ["--run_dir", str(stochastic), "--lead_steps", str(LEADS), "--init_every",
-                                                str(INIT_EVERY), "--out", str(tmp_path / "eval"), "--ensemble_members",
-                                                str(MEMBERS), "--batch_size", "2"], tmp_path, ranks=2)
+    args = ["--run_dir", str(stochastic), "--lead_steps", str(LEADS), "--init_every", str(INIT_EVERY), "--out",
+            str(tmp_path / "eval"), "--ensemble_members", str(MEMBERS), "--batch_size", "2"]
+    procs = launch_entry(ROOT / "evaluate.py", args, tmp_path, ranks=2)
     assert all(p.returncode == 0 for p in procs), procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
     got, want = json.loads((tmp_path / "eval" / "scorecard.json").read_text()), ensemble[0]
     assert got["initial_times"] == want["initial_times"] and got["members"] == MEMBERS

@@ -108,8 +108,8 @@ def test_rank_histogram_equals_the_scores_library():
     torch.testing.assert_close(counts.sum(-1), torch.full((C,), float(B * H * W)))
     fcst, obs, w = as_xarray(members.float(), target.float(), weights)
     want = scores_probability.rank_histogram(fcst, obs, "member", preserve_dims=["channel"], weights=w)
-    np.testing.assert_allclose((counts / counts.sum(-1, keepdim=True)).numpy(), want.transpose("channel", "rank").values,
-                               rtol=1e-5, atol=1e-7)
+    shares = (counts / counts.sum(-1, keepdim=True)).numpy()
+    np.testing.assert_allclose(shares, want.transpose("channel", "rank").values, rtol=1e-5, atol=1e-7)
 
 
 def test_summed_scores_equal_those_of_the_whole_set():

@@ -10,6 +10,11 @@ probability score", arXiv:2412.15832, section 2.2):
 
 ``alpha = 1`` is the fair CRPS, ``alpha = 0`` the standard ensemble CRPS (``1 / (2 M^2)`` in front of the spread
 term); a single member (``M = 1``) has no spread term and its CRPS is its absolute error.
+
+For scoring (``ensemble_scoring.py``, after WeatherBench 2, Rasp et al. 2024): the ensemble-mean MSE
+(:func:`ensemble_mean_mse`), the unbiased ensemble variance (:func:`ensemble_variance`), their spread/skill ratio
+with the finite-ensemble correction of Fortin et al. 2014 (:func:`spread_skill_ratio`), and the rank histogram of
+the truth among the members (:func:`rank_counts`, Hamill 2001).
 """
 
 from __future__ import annotations
@@ -88,9 +93,9 @@ def rank_counts(members: torch.Tensor, target: torch.Tensor, weights: torch.Tens
 
     The rank of ``y`` is the number of members below it, ``0 .. M`` (``M + 1`` bins, Hamill 2001). A truth equal
     to ``e`` members could take any rank from ``below`` to ``below + e``: each of those ``e + 1`` bins gets
-    ``1 / (e + 1)`` of it, so that a calibrated ensemble's histogram stays flat (as ``scores.probability.rank_histogram``
-    counts ties; WeatherBench 2 breaks them at random instead). Each grid point counts its latitude weight
-    (mean 1), so one sample adds ``H * W`` in all, as many as it has points.
+    ``1 / (e + 1)`` of it, so that a calibrated ensemble's histogram stays flat (as
+    ``scores.probability.rank_histogram`` counts ties; WeatherBench 2 breaks them at random instead). Each grid
+    point counts its latitude weight (mean 1), so one sample adds ``H * W`` in all, as many as it has points.
 
     ``members`` ``(B, M, C, H, W)``, ``target`` ``(B, C, H, W)``, ``weights`` ``(H,)``. Returns float32 ``(C, M + 1)``.
     """
