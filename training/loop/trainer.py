@@ -208,7 +208,8 @@ class Trainer:
         self.memory = MemoryTracker(self.device)
         self.evaluator.attach(self.model, self.step_fn.autocast, self.oom.phase,
                               run_name="/".join(self.run_dir.parts[-3:]))
-        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data)
+        # an ensemble's sample is one forecast per member
+        self.flops_per_sample = vit_flops_per_sample(cfg.model, cfg.data) * cfg.optim.ensemble_members
         self.peak_flops = peak_flops(self.device, cfg.precision.amp_mode)
         self.reporter = Reporter(lg, self.run_dir if world.is_main else None, self.evaluator.key_channels,
                                  run_record(cfg.name, recorded.flat(), {**self._world_info(), "data": self._data_info()}),

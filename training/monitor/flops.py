@@ -33,7 +33,7 @@ def vit_flops_per_sample(model, data) -> float:
     h, w = data.img_size
     p, d, depth, r = model.patch_size, model.embed_dim, model.depth, model.mlp_ratio
     n = (h // p) * (w // p)
-    embed = 2 * n * d * data.model_in_channels * p * p
+    embed = 2 * n * d * (data.model_in_channels + model.noise_channels) * p * p
     block = (8 + 4 * r) * n * d * d + 4 * n * n * d
     head = 2 * n * d * data.n_out_channels * p * p
     return 3.0 * (embed + depth * block + head)
