@@ -7,11 +7,13 @@ exits 1 with a traceback; when the workers stop with the preemption status 75 af
 exits 1 with a traceback. A job script then cannot tell "requeue me" from "I failed". This wrapper runs the same
 launcher (``torch.distributed.run``'s options and agent) in-process and:
 
-* handles SIGTERM, SIGUSR1 and Ctrl-C itself, from its first statement: each worker gets SIGUSR1 (Ctrl-C: SIGINT,
-  so a second Ctrl-C stops them at once) as soon as it catches signals (a signal that came before the workers
-  did waits for them), checkpoints at the next step boundary and exits 75, with no deadline from the launcher;
-* exits 75 when the workers stopped with 75 (every rank agrees on the step, so any 75 means the job was
-  preempted), 130 after a second Ctrl-C, else a failed worker's own status; workers print their own ``error:``
+* handles SIGTERM, SIGUSR1 and Ctrl-C itself, from its first statement: each worker gets the signal the launcher
+  got (so its preemption line names it; a second Ctrl-C stops them at once) as soon as it catches signals (a
+  signal that came before the workers did waits for them), checkpoints at the next step boundary and exits 75,
+  with no deadline from the launcher;
+* exits 130 after a second Ctrl-C (or a Ctrl-C after another signal), as one process does, 75 when the workers
+  stopped with 75 (every rank agrees on the step, so any 75 means the job was preempted), else a failed
+  worker's own status; workers print their own ``error:``
   line, and one killed by a signal (the kernel's OOM killer, say) is named in one line here, with status 2 (a
   lost rank, as in ``docs/errors.md``; 1 is for bugs).
 """
@@ -20,13 +22,13 @@ from __future__ import annotations
 
 import signal
 
-# the preemption signals, and what each worker is sent for them
-FORWARDED = {signal.SIGTERM: signal.SIGUSR1, signal.SIGUSR1: signal.SIGUSR1, signal.SIGINT: signal.SIGINT}
+# the preemption signals, each passed on to every worker as it came
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PENDING: list[int] = []  # the signals to pass on, in the order they came
 
 
 def _record(signum: int, frame) -> None:
-    PENDING.append(FORWARDED[signal.Signals(signum)])
+    PENDING.append(signum)
 
 
 for _signum in FORWARDED:  # first: a signal during start-up is kept for the workers, never the default's death
@@ -72,7 +74,8 @@ def catches(pid: int, signum: int) -> bool:
 
 
 def forward_forever() -> None:
-    """Pass every recorded signal on to every worker once it catches them, in order (two Ctrl-C stay two)."""
+    """Pass every recorded signal on to every worker once it catches them, in order, one per worker and poll: the
+    kernel merges a signal sent while the same one is still pending, so two Ctrl-C sent at once would be one."""
     sent: dict[int, int] = {}  # worker pid -> how many of PENDING it was sent
     while True:
         time.sleep(FORWARD_POLL_S)
@@ -80,12 +83,16 @@ def forward_forever() -> None:
             continue
         for pid in worker_pids():
             if sent.get(pid, 0) < len(PENDING) and catches(pid, signal.SIGUSR1):
-                for signum in PENDING[sent.get(pid, 0):]:
-                    try:
-                        os.kill(pid, signum)
-                    except ProcessLookupError:
-                        break
-                sent[pid] = len(PENDING)
+                try:
+                    os.kill(pid, PENDING[sent.get(pid, 0)])
+                except ProcessLookupError:
+                    continue
+                sent[pid] = sent.get(pid, 0) + 1
+
+
+def stopped_at_once() -> bool:
+    """Whether this launcher got a Ctrl-C after another signal: the workers were told to stop at once."""
+    return signal.SIGINT in PENDING[1:]
 
 
 def exit_status(failures: dict) -> int:
@@ -127,7 +134,8 @@ def launch(argv: list[str]) -> int:
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
-        return exit_status(exc.failures)
+        status = exit_status(exc.failures)
+        return EXIT_INTERRUPTED if stopped_at_once() else status
     return 0
 
 

@@ -279,7 +279,13 @@ class ShardedCheckpoints:
 
     def _save_failed(self, folder: Path, exc: BaseException) -> None:
         """Turn a failed write (an OSError on some rank) into a UserError on every rank after rank 0
-        removed the partial folder; re-raise anything else."""
+        removed the partial folder, and a Ctrl-C during the write (a ``KeyboardInterrupt`` that DCP wraps in its
+        CheckpointException, tracebacks of every rank included) back into a ``KeyboardInterrupt``: stopped at
+        once, as anywhere else (exit 130; the partial folder is a leftover that the next save clears). Re-raise
+        anything else."""
+        if isinstance(exc, CheckpointException) and any(isinstance(e, KeyboardInterrupt)
+                                                        for e, _ in exc.failures.values()):
+            raise KeyboardInterrupt from None
         cause = os_error(exc)
         if cause is None:
             raise exc

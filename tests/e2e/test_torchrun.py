@@ -1,5 +1,6 @@
 """``python -m tools.torchrun``: a SIGTERMed launcher exits 75 after every worker checkpointed (what a job script
-requeues on), with no traceback; a worker killed by a signal is named in one line."""
+requeues on), with no traceback, the workers naming the signal it got; two Ctrl-C exit 130; a worker killed by a
+signal is named in one line."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from tests.dist_utils import subprocess_env
 from tests.jobs import RUN
 from tools.torchrun import worker_pids
-from utils.core.errors import EXIT_PREEMPTED
+from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,9 +38,23 @@ def test_sigterm_checkpoints_and_exits_75(tiny_data, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    assert "preempted by SIGUSR1 at iteration" in out and "run the same command to resume" in out, out[-3000:]
+    # the signal the launcher got, not the one it once passed on in its place (#45 item 6)
+    assert "preempted by SIGTERM at iteration" in out and "run the same command to resume" in out, out[-3000:]
     assert "Traceback" not in err and "error:" not in err, err[-3000:]
     assert list((tmp_path / "runs" / "tiny" / "2CPU" / "00" / "checkpoints").glob("step_*/.metadata"))
+
+
+def test_two_ctrl_c_stop_the_job_at_once_with_130(tiny_data, tmp_path):
+    """Two SIGINTs 50 ms apart to the launcher mid-epoch (#45 item 6): 130, as one process gives (the forwarder
+    sent both at once, which the kernel merged into one: a checkpoint and 75)."""
+    proc = start(tiny_data, tmp_path)
+    wait_until_training(proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]  # also when the second one comes during a checkpoint's write
 
 
 def test_a_signal_before_the_workers_start_waits_for_them(tiny_data, tmp_path):
@@ -48,7 +63,7 @@ def test_a_signal_before_the_workers_start_waits_for_them(tiny_data, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    assert "preempted by SIGUSR1 during start-up: nothing trained" in out, out[-3000:]
+    assert "preempted by SIGTERM during start-up: nothing trained" in out, out[-3000:]
     assert "Traceback" not in err and "error:" not in err, err[-3000:]
 
 

@@ -31,6 +31,10 @@ class NonFiniteError(UserError):
 EXIT_PREEMPTED = 75
 
 
+# exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
+
+
 # Exit status of a run stopped because a GPU ran out of memory (every rank: see OutOfMemory), so
 # scripts can tell it from other errors (2) and retry with a smaller batch.
 EXIT_OUT_OF_MEMORY = 3
@@ -43,7 +47,10 @@ class OutOfMemory(UserError):
 
 def failure_status(exc: BaseException) -> int:
     """The exit status a rank's failure ``exc`` gives every rank of the job: :data:`EXIT_OUT_OF_MEMORY`
-    for :class:`OutOfMemory`, else 2."""
+    for :class:`OutOfMemory`, :data:`EXIT_INTERRUPTED` for a ``KeyboardInterrupt`` (a second Ctrl-C stops the
+    job, not a failure of it), else 2."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
     return EXIT_OUT_OF_MEMORY if isinstance(exc, OutOfMemory) else 2
 
 
@@ -82,10 +89,6 @@ def exit_status(main, *args, **kwargs) -> int:
     except UserError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)  # always one line
         return failure_status(exc)
-
-
-# exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it
-EXIT_INTERRUPTED = 130
 
 
 def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None) -> int:
