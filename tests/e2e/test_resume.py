@@ -47,22 +47,28 @@ def test_sigkill_mid_epoch_then_rerun_equals_uninterrupted(tiny_data, tmp_path, 
         assert all(p[0] == 0 and "is complete (24 iterations)" in p[1] for p in rerun)
 
 
-@pytest.mark.parametrize("inputs", [[], ["--forcings", "[cos_solar_zenith_angle,sin_local_time,cos_local_time]",
-                                          "--residual", "true"]], ids=["state only", "forcings"])
+ENSEMBLE = ["--noise_channels", "2", "--loss", "crps", "--ensemble_members", "3"]
+
+
+@pytest.mark.parametrize("inputs,ranks", [
+    ([], 1), (["--forcings", "[cos_solar_zenith_angle,sin_local_time,cos_local_time]", "--residual", "true"], 1),
+    (ENSEMBLE, 1), ([*ENSEMBLE, "--ensemble_parallel", "3"], 3),
+], ids=["state only", "forcings", "ensemble", "ensemble over 3 ranks"])
 def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory,
-                                                                       inputs):
+                                                                       inputs, ranks):
     """K rises 1 -> 2 -> 3 at iterations 6 and 12: killed after 13 (checkpoint at 10, K 2), the same command
     continues the curriculum across the raise at 12 to bitwise the uninterrupted run (with forcings too: each of the
-    K applications reads those of its own valid time, recomputed after the restart)."""
+    K applications reads those of its own valid time, recomputed after the restart; with an ensemble too: each
+    member's noise is drawn again from its key, on one rank or with its 3 members on 3 ranks)."""
     curriculum = ["--rollout_max_steps", "3", "--rollout_raise_every", "6", "--rollout_checkpointing", "true",
                   *inputs]
-    whole = reference_run(tmp_path_factory, tiny_data, curriculum, 1)
+    whole = reference_run(tmp_path_factory, tiny_data, curriculum, ranks)
     cut = tmp_path / "cut"
-    run_job(cut, tiny_data, curriculum, 1, signal_at=13)
-    run = run_path(cut, 1)
+    run_job(cut, tiny_data, curriculum, ranks, signal_at=13)
+    run = run_path(cut, ranks)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
-    (status, out, err), = run_job(cut, tiny_data, curriculum, 1)
-    assert status == 0, err[-3000:]
+    for status, out, err in run_job(cut, tiny_data, curriculum, ranks):
+        assert status == 0, err[-3000:]
     assert "resumed at iteration 10" in (run / "out.log").read_text()
     assert_same_state(run, whole(), tmp_path)
     assert [m["train/rollout_steps"] for m in metrics(run)] == [2, 3, 3]  # epochs end at 8, 16, 24
