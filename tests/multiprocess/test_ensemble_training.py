@@ -1,6 +1,6 @@
 """CRPS ensemble training through the real loop on gloo ranks against a single-process reference: members spread
-over 2 ranks, DDP at 3 ranks, ensemble x data parallel under ZeRO-3 at 4, ensemble x tensor parallel at 4; with
-forcings and rollout training (K = 2: each member rolled out with its own noise)."""
+over 2 ranks, DDP at 3 ranks, ensemble x data parallel under ZeRO-3 and HSDP at 4, ensemble x tensor parallel at 4;
+with forcings and rollout training (K = 2: each member rolled out with its own noise)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def single(tiny_data, tmp_path_factory):
     (3, {}),
     (4, {"ensemble_parallel": 2, "fsdp": "zero3", "global_batch_size": 6}),
     (4, {"ensemble_parallel": 2, "tensor_parallel": 2}),
-], ids=["ens2", "ddp3", "ens2-dp2-zero3", "ens2-tp2"])
+    (4, {"ensemble_parallel": 2, "fsdp": "hsdp", "hsdp_shard_size": 1}),
+], ids=["ens2", "ddp3", "ens2-dp2-zero3", "ens2-tp2", "ens2-hsdp"])
 def test_ensembles_train_alike_in_every_parallel_mode(tiny_data, tmp_path, single, world_size, overrides):
     run_distributed(train_on_ranks, world_size, str(tiny_data), str(tmp_path), {**steps(), **overrides})
     run_dir = tmp_path / "tiny" / f"{world_size}CPU" / "00"
