@@ -79,9 +79,11 @@ class StopOnSignal:
 
     def __init__(self):
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
             self._previous = {s: signal.signal(s, self._stop) for s in SIGNALS}
         return self
 
@@ -90,8 +92,9 @@ class StopOnSignal:
             signal.signal(s, handler)
         self._previous = {}
 
-    @staticmethod
-    def _stop(signum: int, frame) -> None:
+    def _stop(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a forked loader worker (a terminal's Ctrl-C reaches it too): its parent stops it
+            return
         for s in SIGNALS:  # a second signal must not cut short the clean-up the first one starts
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(f"stopped by {signal_name(signum)}: no output is left half-written (each is renamed into "
