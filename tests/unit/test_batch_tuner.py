@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -312,3 +313,15 @@ def test_journal_drops_a_torn_last_line_and_keeps_the_trials(tmp_path, caplog):
     journal = Journal(path, fingerprint, WORLD)
     assert list(journal.trials) == [4] and journal.trials[4].samples_per_s == 10.0
     assert any("torn last line 3" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hard_linked_journal_is_refused_before_any_trial(tmp_path):
+    """The journal is appended to: a hard link there (#45 item 3) would carry the trials into the other name's file."""
+    from training.tuner.trials import Journal
+    from utils.core.files import NotOurs
+    outside = tmp_path / "outside.txt"
+    outside.write_text(json.dumps({"fingerprint": {"config": "tiny"}}) + "\n")
+    path = tmp_path / "tune.journal.jsonl"
+    os.link(outside, path)
+    with pytest.raises(NotOurs, match="tune.journal.jsonl has 2 hard links"):
+        Journal(path, {"config": "tiny"}, WORLD)

@@ -40,7 +40,7 @@ from training.tuner.search import Trial
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
 from utils.core.errors import OutOfMemory
-from utils.core.files import open_append, read_jsonl, write_text_atomic
+from utils.core.files import check_in_place, open_append, read_jsonl, write_text_atomic
 from utils.data.loaders import build_data
 from utils.precision.amp import AMP_DTYPES
 
@@ -222,6 +222,7 @@ class Journal:
             write_text_atomic(path, json.dumps({"fingerprint": fingerprint}) + "\n")
 
     def _read(self, fingerprint: dict) -> dict[int, Trial]:
+        check_in_place(self.path)  # appended to: a hard link is refused before any trial runs
         try:
             lines = [line for _, line in read_jsonl(self.path)]
         except (OSError, ValueError):
