@@ -266,10 +266,17 @@ def distributed_session(parallel: ParallelConfig, env: LaunchEnv):
         if lost is not None:  # a peer died under a collective: one line naming it, never gloo's/NCCL's traceback
             world.channel.report(lost, 2)
             raise UserError(lost) from None
-        world.channel.report(str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
-                             failure_status(exc))
+        world.channel.report(_failure_line(exc), failure_status(exc))
         raise
     _finish(world, parallel)
+
+
+def _failure_line(exc: BaseException) -> str:
+    """What the other ranks print of this rank's failure: a UserError's own line, ``interrupted`` for Ctrl-C (the
+    line one process prints), else the exception's type and message."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
 
 
 def _communication_failed(exc: BaseException) -> bool:

@@ -55,6 +55,7 @@ def test_two_ctrl_c_stop_the_job_at_once_with_130(tiny_data, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     assert "Traceback" not in err, err[-3000:]  # also when the second one comes during a checkpoint's write
+    assert "KeyboardInterrupt" not in err and "interrupted" in err, err[-3000:]  # the line one process prints
 
 
 def test_a_signal_before_the_workers_start_waits_for_them(tiny_data, tmp_path):
