@@ -42,3 +42,20 @@ def test_the_projects_environment_exposes_none_of_our_packages(tmp_path):
     for name in OURS:
         found = _where(name, "", tmp_path)
         assert not found.startswith(str(ROOT)), f"{name} -> {found}"
+
+
+def test_a_script_saved_outside_the_repository_imports_the_project_the_documented_ways(tmp_path):
+    """docs/python-api.md: from the root with ``PYTHONPATH=.``, or from anywhere with the root put on sys.path; plain
+    ``python script.py`` puts the script's folder on sys.path instead, and does not find the project."""
+    body = "import training.evaluation\nprint(training.evaluation.__file__)\n"  # the package of the Forecaster
+    (tmp_path / "plain.py").write_text(body)
+    (tmp_path / "inserted.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n{body}")
+
+    def run(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+        clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        return subprocess.run([sys.executable, str(tmp_path / script)], cwd=cwd, env={**clean, **env},
+                              capture_output=True, text=True)
+    for done in (run("plain.py", ROOT, PYTHONPATH="."), run("inserted.py", tmp_path)):
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert Path(done.stdout.strip()) == ROOT / "training" / "evaluation" / "__init__.py"
+    assert "No module named 'training'" in run("plain.py", ROOT).stderr
