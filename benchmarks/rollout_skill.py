@@ -22,8 +22,10 @@ from utils.core.errors import ArgumentParser  # noqa: E402
 
 
 def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list[dict]:
-    """One row per lead (hours) held by every card: each run's RMSE and ACC, persistence's RMSE and ACC and
-    climatology's RMSE (the baselines of the first card: every run is scored on the same initial times)."""
+    """One row per lead (hours) held by every card: each run's RMSE and ACC (of the ensemble mean, for members),
+    its CRPS and, with members, its spread/skill ratio (when its scorecard has ensemble scores: docs/ensembles.md),
+    persistence's RMSE and ACC and climatology's RMSE (the baselines of the first card: every run is scored on
+    the same initial times)."""
     rows = []
     first = next(iter(cards.values()))
     for lead in leads:
@@ -34,6 +36,11 @@ def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list
             j = card["lead_hours"].index(lead)
             row[f"rmse {name}"] = card["scores"]["model"]["rmse"][channel][j]
             row[f"acc {name}"] = card["scores"]["model"]["acc"][channel][j]
+            ensemble = card.get("ensemble")
+            if ensemble:
+                row[f"crps {name}"] = ensemble["crps"][channel][j]
+                if card.get("members", 1) > 1:
+                    row[f"spread_skill {name}"] = ensemble["spread_skill"][channel][j]
         j = first["lead_hours"].index(lead)
         for baseline in ("persistence", "climatology"):
             row[f"rmse {baseline}"] = first["scores"][baseline]["rmse"][channel][j]
@@ -52,7 +59,7 @@ def main() -> int:
     cards = {name: json.loads((Path(run) / "evaluation" / "scorecard.json").read_text()) for name, run in runs.items()}
     leads = [float(v) for v in args.leads.split(",")]
     result = {"runs": {name: {"dir": runs[name], "training_rollout": card.get("training_rollout"),
-                              "inputs": card.get("inputs"),
+                              "inputs": card.get("inputs"), "members": card.get("members", 1),
                               "checkpoint_step": card.get("checkpoint_step"), "initial_times": card["initial_times"]}
                        for name, card in cards.items()}, "channels": {}}
     for name, info in result["runs"].items():
