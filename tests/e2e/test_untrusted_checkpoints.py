@@ -20,7 +20,7 @@ import torch
 from distributed.checkpoint.storage import HASH, file_digest
 from tests.dist_utils import subprocess_env
 from tests.forked import run_forked
-from tests.jobs import RUN, reference_run, run_path
+from tests.jobs import RUN, reference_run, run_path, with_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,3 +123,19 @@ def test_a_raw_pickle_model_file_is_one_line(tiny_data, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(raw) in lines[0], proc.stderr
     assert not marker.exists()
+
+
+def test_a_renamed_step_folder_is_refused_not_taken_for_its_name(tiny_data, tmp_path, tmp_path_factory):
+    """The newest checkpoint (iteration 24) renamed step_00000099, with ``latest`` naming it: the run does not go on
+    as if at 99, nor from 24 under the wrong name; one line names both (#45 item 2)."""
+    run = run_path(tmp_path, 1)
+    shutil.copytree(reference_run(tmp_path_factory, tiny_data, [], 1)(), run)
+    (run / "checkpoints" / "step_00000024").rename(run / "checkpoints" / "step_00000099")
+    (run / "checkpoints" / "latest").write_text("step_00000099\n")
+    train = [str(ROOT / "train.py"), *with_args(RUN, ["--num_iters", "120"]), "--data_path", str(tiny_data),
+             "--expdir", str(tmp_path / "runs")]
+    proc = run_forked(train, ROOT, subprocess_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: checkpoint folder step_00000099 holds iteration 24, not 99: it was renamed or copied under another "
+        "name; rename it step_00000024 (and its latest file), or pass another --resume"], proc.stderr[-3000:]

@@ -238,6 +238,10 @@ class Trainer:
         step = self.checkpoint.load(source)
         if step is None:
             return
+        if step != self.state.step:  # the folder's name is not what it holds: never continue from the wrong step
+            raise UserError(f"checkpoint folder step_{step:08d} holds iteration {self.state.step}, not {step}: it "
+                            f"was renamed or copied under another name; rename it step_{self.state.step:08d} (and "
+                            "its latest file), or pass another --resume")
         log.info("resumed at iteration %d (epoch %d, step %d of it) from %s", step, self.state.epoch + 1,
                  self.state.epoch_step, source or self.run_dir / "checkpoints")
         if not run.resume:  # --resume PATH starts a new run from that state: its records start afresh
