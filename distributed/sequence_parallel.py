@@ -27,7 +27,8 @@ depend on the order of the tokens (position enters only through the embedding ad
 the region computes the same values, permuted, and the reduce-scatter of each piece returns every rank its
 own tokens in its own order. A column-parallel linear and the row-parallel linear that leaves its region must
 therefore be given the same ``shapes`` and ``chunks``. Uneven splits are padded for the collectives
-(:func:`distributed.mappings.stack_chunks`).
+(:func:`distributed.mappings.stack_chunks`). On CPU tensors (gloo) one collective is in flight
+at a time (:func:`_in_flight`), still behind its neighbouring GEMM.
 
 The column-parallel linear keeps its gathered input for the weight gradient, as the replicated input was kept
 without sequence parallelism (Megatron-LM gathers it again in backward instead, to save that memory).
@@ -94,6 +95,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _in_flight(x: torch.Tensor, count: int) -> int:
+    """How many of a region's ``count`` collectives may be in flight at once. GPU tensors (NCCL): all of them,
+    run in order on the communication stream. CPU tensors (gloo, ``distributed/world.py``): one, since gloo
+    runs the queued collectives of a group on several threads at once, which corrupted the heap (issue #47:
+    ``malloc(): unaligned tcache chunk detected``, SIGABRT); the next piece's collective still runs behind
+    this piece's GEMM."""
+    return count if x.is_cuda else 1
+
+
+def _make_room(launched: list[torch.Tensor], depth: int) -> None:
+    """Before another collective: wait for the one started ``depth`` collectives ago (waiting twice is a no-op)."""
+    if len(launched) >= depth:
+        _c10d.wait_tensor(launched[-depth])
+
+
 class _SequenceParallelColumnLinear(torch.autograd.Function):
     """Forward: all-gather the tokens piece by piece, each piece's ``x W_r^T + b_r`` while the next one is
     gathered; backward: each piece's ``dx`` reduce-scattered while the next piece's GEMMs run."""
@@ -102,10 +118,13 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, pieces, group):
         rank = group_rank(group)
         parts = torch.split(x.contiguous(), [piece[rank] for piece in pieces], 0)
-        launched = [_start_all_gather(part, piece, group) for part, piece in zip(parts, pieces)]
+        depth = _in_flight(x, len(pieces))
+        launched = [_start_all_gather(parts[j], pieces[j], group) for j in range(depth)]
         totals, ys = [], []
-        for out, piece in zip(launched, pieces):
-            totals.append(_finish_all_gather(out, piece))
+        for j, piece in enumerate(pieces):
+            totals.append(_finish_all_gather(launched[j], piece))
+            if j + depth < len(pieces):
+                launched.append(_start_all_gather(parts[j + depth], pieces[j + depth], group))
             ys.append(F.linear(totals[-1], weight, bias))  # runs while the next pieces arrive
         ctx.save_for_backward(weight, *totals)
         ctx.has_bias, ctx.pieces, ctx.group = bias is not None, pieces, group
@@ -116,9 +135,11 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         weight, *totals = ctx.saved_tensors
         pieces, group = ctx.pieces, ctx.group
         dys = torch.split(dy, [sum(piece) for piece in pieces], 0)
-        launched, dw = [], None
+        launched, dw, depth = [], None, _in_flight(dy, len(pieces))
         for dy_j, total, piece in zip(dys, totals, pieces):
-            launched.append(_start_reduce_scatter(dy_j @ weight, piece, group))
+            dx_j = dy_j @ weight
+            _make_room(launched, depth)
+            launched.append(_start_reduce_scatter(dx_j, piece, group))
             grad = _rows(dy_j).t() @ _rows(total)  # overlaps piece j's reduce-scatter
             dw = grad if dw is None else dw + grad
         db = _rows(dy).sum(0) if ctx.has_bias else None
@@ -136,7 +157,11 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.pieces, ctx.group = pieces, group
         xs = torch.split(x, [sum(piece) for piece in pieces], 0)
-        launched = [_start_reduce_scatter(F.linear(x_j, weight), piece, group) for x_j, piece in zip(xs, pieces)]
+        launched, depth = [], _in_flight(x, len(pieces))
+        for x_j, piece in zip(xs, pieces):
+            y_j = F.linear(x_j, weight)  # runs while the previous piece is reduce-scattered
+            _make_room(launched, depth)
+            launched.append(_start_reduce_scatter(y_j, piece, group))
         rank = group_rank(group)
         return torch.cat([_finish_reduce_scatter(out, piece, rank) for out, piece in zip(launched, pieces)], 0)
 
@@ -146,11 +171,14 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
         pieces, group = ctx.pieces, ctx.group
         rank = group_rank(group)
         parts = torch.split(dy.contiguous(), [piece[rank] for piece in pieces], 0)
-        launched = [_start_all_gather(part, piece, group) for part, piece in zip(parts, pieces)]
+        depth = _in_flight(dy, len(pieces))
+        launched = [_start_all_gather(parts[j], pieces[j], group) for j in range(depth)]
         xs = torch.split(x, [sum(piece) for piece in pieces], 0)
         dxs, dw = [], None
-        for out, x_j, piece in zip(launched, xs, pieces):
-            dy_j = _finish_all_gather(out, piece)
+        for j, (x_j, piece) in enumerate(zip(xs, pieces)):
+            dy_j = _finish_all_gather(launched[j], piece)
+            if j + depth < len(pieces):
+                launched.append(_start_all_gather(parts[j + depth], pieces[j + depth], group))
             dxs.append(dy_j @ weight)
             grad = _rows(dy_j).t() @ _rows(x_j)
             dw = grad if dw is None else dw + grad
