@@ -355,7 +355,12 @@ class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group_name, chunks):
         ctx.save_for_backward(x, weight)
-        parts = [_start_all_reduce(F.linear(part, weight), group_name) for part in x.chunk(chunks, 0)]
+        parts = []
+        for part in x.chunk(chunks, 0):
+            y = F.linear(part, weight)
+            if parts and not x.is_cuda:  # gloo: one collective in flight (sequence_parallel._in_flight says why)
+                _wait(parts[-1])
+            parts.append(_start_all_reduce(y, group_name))
         return torch.cat([_wait(part) for part in parts], 0)
 
     @staticmethod
