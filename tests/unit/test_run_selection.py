@@ -97,6 +97,17 @@ def test_the_first_run_says_it_is_the_first(tmp_path):
     assert run.note == f"starting run 00: a new run (no earlier run of config tiny in {tmp_path}/tiny/1CPU)"
 
 
+def test_a_named_run_is_passed_over_and_the_first_line_says_so(tmp_path):
+    """#45 item 15: a run named by --run_num (pre), unfinished and of these settings, is not continued by a command
+    without --run_num; the new run's first line names it and the flag that continues it."""
+    fake_run(tmp_path, "pre", "preempted", 300)
+    run = open_for(tmp_path)
+    assert run.path.name == "00" and not run.resume
+    assert run.note == (f"starting run 00: a new run (no earlier run of config tiny in {tmp_path}/tiny/1CPU; named "
+                        "runs (pre) are continued only by naming them with --run_num)")
+    assert open_for(tmp_path, run_num="pre").resume
+
+
 def test_find_run_agrees_with_open_run_dir(tmp_path):
     fake_run(tmp_path, "00", "completed", 800)
     fake_run(tmp_path, "01", "preempted", 570)

@@ -181,7 +181,21 @@ def checkpoint_step(path: Path) -> int | None:
 
 def _why_new(parent: Path, new: Path, flat_config: dict, config_name: str) -> str:
     """Why a new run: no earlier run of this config name, those of these settings in use (named before this),
-    or the keys in which the earlier runs differ."""
+    or the keys in which the earlier runs differ; and the named runs of the folder, which only a command that
+    names them continues."""
+    return _why_new_numbered(parent, new, flat_config, config_name) + _named_note(parent)
+
+
+def _named_note(parent: Path) -> str:
+    named = sorted(p.name for p in parent.iterdir() if p.is_dir() and not re.fullmatch(r"\d+", p.name)
+                   and holds_run(p))
+    if not named:
+        return ""
+    shown = ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
+    return f"; named runs ({shown}) are continued only by naming them with --run_num"
+
+
+def _why_new_numbered(parent: Path, new: Path, flat_config: dict, config_name: str) -> str:
     runs = [p for p in numbered_runs(parent) if p != new]
     if not runs:
         return f"no earlier run of config {config_name} in {parent}"
