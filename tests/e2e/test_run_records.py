@@ -48,7 +48,7 @@ def test_run_json_records_code_versions_world_and_config(four_runs):
     record = json.loads((runs[2] / "run.json").read_text())
     assert record["status"] == "completed" and record["finished"] and record["error"] is None
     assert record["config_name"] == "tiny" and record["command"][0] == "train.py" and "--lr" in record["command"]
-    assert record["world_size"] == 2 and record["mesh"] == {"dp": 2, "cp": 1, "tp": 1}
+    assert record["world_size"] == 2 and record["mesh"] == {"dp": 2, "ens": 1, "cp": 1, "tp": 1}
     assert record["launcher"] == "torchrun" and record["devices"] == ["cpu", "cpu"]
     assert len(record["hosts"]) == 2 and record["hosts"][0]
     assert len(record["git"]["commit"]) == 40 and isinstance(record["git"]["dirty"], bool)

@@ -50,6 +50,6 @@ def test_world_size_not_divisible_by_tp_cp_is_a_clear_error():
     from utils.core.errors import UserError
     from utils.config.schema import ParallelConfig
     from utils.config.validate import data_parallel_size
-    with pytest.raises(UserError, match="not divisible by tensor_parallel x context_parallel = 2 x 2"):
+    with pytest.raises(UserError, match="not divisible by tensor_parallel x context_parallel x ensemble_parallel = 2 x 2 x 1"):
         data_parallel_size(6, ParallelConfig(tensor_parallel=2, context_parallel=2))
     assert data_parallel_size(8, ParallelConfig(tensor_parallel=2, context_parallel=2)) == 2

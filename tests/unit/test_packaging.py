@@ -47,7 +47,7 @@ def test_the_projects_environment_exposes_none_of_our_packages(tmp_path):
 def test_a_script_saved_outside_the_repository_imports_the_project_the_documented_ways(tmp_path):
     """docs/python-api.md: from the root with ``PYTHONPATH=.``, or from anywhere with the root put on sys.path; plain
     ``python script.py`` puts the script's folder on sys.path instead, and does not find the project."""
-    body = "import training.evaluation\nprint(training.evaluation.__file__)\n"  # the package of the Forecaster
+    body = "from training import evaluation\nprint(evaluation.__file__)\n"  # the package of the Forecaster
     (tmp_path / "plain.py").write_text(body)
     (tmp_path / "inserted.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n{body}")
 
