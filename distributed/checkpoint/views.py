@@ -32,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from distributed.world import local_tensor
 from utils.core.errors import UnsafeCheckpoint
+from utils.core.safe_load import load_data
 
 # a box of a tensor: (offsets, sizes) per dimension
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -153,8 +154,9 @@ class ViewSavePlanner(DefaultSavePlanner):
 class ViewLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that reads viewed tensors from their plain shape: each plain box is read into a
     buffer, which is copied into the local tensor once all its reads are done; and that reads the non-tensor
-    items (the schedule's, the train state's numbers) with ``torch.load(weights_only=True)``, so a crafted
-    checkpoint runs no code (DCP's own planner unpickles them without restriction).
+    items (the schedule's, the train state's numbers) with ``torch.load(weights_only=True)``
+    (:func:`utils.core.safe_load.load_data`, printing no warning), so a crafted checkpoint runs no code (DCP's own
+    planner unpickles them without restriction).
 
     Raises:
         UnsafeCheckpoint: a non-tensor item holds more than plain data.
@@ -191,7 +193,7 @@ class ViewLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
+            obj = load_data(value)
         except pickle.UnpicklingError:
             raise UnsafeCheckpoint(f"checkpoint item {fqn} holds more than plain data: loading it could run code, so "
                                    "it is refused; use a checkpoint you trust") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -20,6 +20,21 @@ def _numpy_array_globals() -> list:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+def load_data(source: Path | BinaryIO) -> Any:
+    """``torch.load(weights_only=True)`` of a file or a binary stream (a ``torch.save`` written into it): the
+    plain data of :func:`load_plain`, on the CPU, and no warning printed.
+
+    Raises:
+        pickle.UnpicklingError: ``source`` holds something else; the caller names it in its one line.
+        RuntimeError, EOFError, OSError: ``source`` is damaged or unreadable.
+    """
+    # torch warns (UserWarning) about a raw pickle's protocol before refusing it, and any warning of its
+    # unpickler is about the bytes read: the data, or the caller's one-line refusal, is all the user needs
+    with torch.serialization.safe_globals(_numpy_array_globals()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(source, map_location="cpu", weights_only=True)
+
+
 def load_plain(path: Path) -> Any:
     """``torch.load`` of one of our own files (``rank<r>.pt``, ``model.pt``) with ``weights_only=True``: tensors,
     numbers, strings, lists, tuples, dicts (and NumPy arrays, which older files hold), never code.
@@ -29,10 +44,7 @@ def load_plain(path: Path) -> Any:
         UserError: the file cannot be read (damaged, truncated).
     """
     try:
-        # torch warns (UserWarning) about a raw pickle's protocol before refusing it: the refusal is our one line
-        with torch.serialization.safe_globals(_numpy_array_globals()), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return load_data(path)
     except pickle.UnpicklingError as exc:
         detail = " ".join(str(exc).split()).split("Check the recommended steps")[0][:300]
         raise UnsafeCheckpoint(f"{path} holds more than plain data ({detail}): loading it could run code, so it is "
