@@ -120,13 +120,17 @@ def test_a_run_directory_is_never_shared(tiny_data, tmp_path):
 
 def test_a_killed_run_is_recorded_as_killed_when_it_goes_on(tiny_data, tmp_path):
     """#45 item 8: rank 0 SIGKILLed mid-run leaves run.json at ``running``; the next start records ``killed``
-    with the last checkpoint, and that record stays in the resume's entry once the run completes."""
+    with the last checkpoint, its first line says so, and that record stays in the resume's entry once the run
+    completes."""
     from tests.jobs import run_job, run_path
     [(status, _, _)] = run_job(tmp_path, tiny_data, [], 1, signal_at=13)  # checkpoints every 5 steps: 10 is last
     record = json.loads((run_path(tmp_path, 1) / "run.json").read_text())
     assert status == -9 and record["status"] == "running"
-    [(status, _, err)] = run_job(tmp_path, tiny_data, [], 1)
+    [(status, out, err)] = run_job(tmp_path, tiny_data, [], 1)
     assert status == 0, err[-3000:]
+    first = (out + err).strip().splitlines()[0]
+    assert " from its latest checkpoint step_00000010 (its previous attempt was killed: run.json still said running " \
+           "and no process held the run)" in first, first
     record = json.loads((run_path(tmp_path, 1) / "run.json").read_text())
     assert record["status"] == "completed" and record["resumes"][-1]["step"] == 10
     after = record["resumes"][-1]["after"]

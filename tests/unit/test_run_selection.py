@@ -152,12 +152,14 @@ def test_a_run_folder_that_is_a_link_is_never_followed(tmp_path, planted_at, run
 
 def test_a_run_killed_without_a_word_is_recorded_as_killed_with_its_last_checkpoint(tmp_path):
     """#45 item 8: run.json left at ``running`` (rank 0 SIGKILLed, no live owner): the next start of the run
-    records ``killed`` and its last complete checkpoint before it goes on."""
+    records ``killed`` and its last complete checkpoint before it goes on, and its first line says so."""
     path = fake_run(tmp_path, "00", "running", 40)
     (path / "checkpoints" / "step_00000040").mkdir()
     (path / "checkpoints" / "step_00000040" / ".metadata").write_bytes(b"")
     run = open_for(tmp_path)
     record = json.loads((path / "run.json").read_text())
     assert run.resume and run.path == path
+    assert run.note.startswith("continuing run 00 from its latest checkpoint step_00000040 (its previous attempt was "
+                               "killed: run.json still said running and no process held the run): "), run.note
     assert record["status"] == "killed" and record["last_checkpoint"] == "step_00000040"
     assert "killed" in record["error"]

@@ -257,13 +257,23 @@ def _decide(path: Path, resume: str, flat_config: dict, lock: DirectoryLock) -> 
         raise NothingToDo(f"run {path} is complete ({recorded_iters(path)} iterations); raise --num_iters to "
                           "continue it, or pass --resume never (or a new --run_num) for another run")
     if has_checkpoint(path):
-        return RunDir(path, True, f"continuing run {path.name} from its latest checkpoint", lock)
+        return RunDir(path, True, f"continuing run {path.name} from its latest checkpoint{_after_kill(record)}", lock)
     if record.get("status") == "completed":
         raise UserError(f"run directory {path} holds a complete run with no complete checkpoint to resume from; "
                         "pass a new --run_num (--run_num auto takes the next free one)")
     _clear(path)
     return RunDir(path, False, f"run directory {path} held a run that stopped before its first checkpoint: starting "
                                "it again", lock)
+
+
+def _after_kill(record: dict) -> str:
+    """For the resume's first line: the run died without a word (marked ``killed`` by :func:`mark_if_dead`), which
+    only run.json said until now, and the checkpoint it goes on from."""
+    if record.get("status") != "killed":
+        return ""
+    checkpoint = record.get("last_checkpoint")
+    return (f" {checkpoint}" if checkpoint else "") + " (its previous attempt was killed: run.json still said running " \
+        "and no process held the run)"
 
 
 def find_run(logging_cfg: LoggingConfig, resume: str, config_name: str, world_size: int, flat_config: dict,
