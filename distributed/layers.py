@@ -52,6 +52,7 @@ from distributed.mappings import (all_gather_uneven, column_parallel_linear, com
                                   copy_to_parallel_region, gather_from_parallel_region,
                                   gather_from_sequence_parallel_region, group_rank, group_size, row_parallel_linear,
                                   scatter_to_parallel_region)
+from distributed.ring_attention import ring_attention
 from distributed.sequence_parallel import sequence_parallel_column_linear, sequence_parallel_row_linear
 from distributed.world import local_tensor
 
@@ -252,6 +253,9 @@ class DistributedAttention(nn.Module):
     * K and V ``(B, h_t, n_r, d)`` are all-gathered over CP along the sequence
       (:func:`gather_from_sequence_parallel_region`; backward reduce-scatters dK, dV), so
       ``O_r = softmax(Q_r K^T / sqrt(d)) V`` over all ``N`` tokens (``F.scaled_dot_product_attention``).
+      With ``cp_attention="ring"`` they are passed around the CP ranks behind the attention of the chunk in
+      hand instead (:func:`distributed.ring_attention.ring_attention`; ``attention_backend`` picks its CUDA
+      kernel): the same ``O_r``.
     * ``proj`` is row-parallel over the local heads' features; its all-reduce sums heads.
 
     ``seq_len`` (total tokens ``N``) fixes the CP split to ``compute_split_shapes(N, cp)``; when None the
@@ -263,16 +267,20 @@ class DistributedAttention(nn.Module):
     the order of the tokens) and ``proj`` reduce-scatters its output back.
 
     Raises:
-        ValueError: fewer heads than TP ranks, or (in forward) a local token count that disagrees with
-            ``seq_len``.
+        ValueError: fewer heads than TP ranks, an unknown ``cp_attention``, or (in forward) a local token count
+            that disagrees with ``seq_len``.
     """
 
     def __init__(self, module: nn.Module, tp_mesh: DeviceMesh | None, cp_group: dist.ProcessGroup | None = None,
-                 *, seq_len: int | None = None, seq_shapes: Sequence[int] | None = None):
+                 *, seq_len: int | None = None, seq_shapes: Sequence[int] | None = None,
+                 cp_attention: str = "all_gather", attention_backend: str = "auto"):
         super().__init__()
         tp = group_size(tp_group(tp_mesh))
         if module.num_heads < tp:
             raise ValueError(f"{module.num_heads} heads cannot be split over {tp} TP ranks")
+        if cp_attention not in ("all_gather", "ring"):
+            raise ValueError(f"cp_attention must be 'all_gather' or 'ring', got {cp_attention!r}")
+        self.cp_attention, self.attention_backend = cp_attention, attention_backend
         seq_shapes = seq_shapes if tp > 1 else None
         self.groups = Groups(tp_mesh, cp_group, seq_shapes is not None)
         self.num_heads, self.head_dim, self.seq_len = module.num_heads, module.head_dim, seq_len
@@ -299,10 +307,13 @@ class DistributedAttention(nn.Module):
         n = qkv.shape[tok]
         qkv = qkv.unflatten(-1, (3, self.local_heads, self.head_dim)).permute(2, bat, 3, tok, 4)
         q, kv = qkv[0], qkv[1:]  # (B, h, n, d), (2, B, h, n, d)
-        if group_size(self.groups.cp) > 1:
-            # one collective for K and V: (2, B, h, n_r, d) -> (2, B, h, N, d)
-            kv = gather_from_sequence_parallel_region(kv, 3, self._seq_shapes(n, x.device), self.groups.cp)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1])  # (B, h, n, d)
+        cp = self.groups.cp
+        if group_size(cp) > 1 and self.cp_attention == "ring":
+            out = ring_attention(q, kv[0], kv[1], self._seq_shapes(n, x.device), cp, self.attention_backend)
+        else:
+            if group_size(cp) > 1:  # one collective for K and V: (2, B, h, n_r, d) -> (2, B, h, N, d)
+                kv = gather_from_sequence_parallel_region(kv, 3, self._seq_shapes(n, x.device), cp)
+            out = F.scaled_dot_product_attention(q, kv[0], kv[1])  # (B, h, n, d)
         out = self.proj(out.permute(2, 0, 1, 3).flatten(2) if seq_first else out.transpose(1, 2).flatten(2))
         return out.transpose(0, 1) if seq_first else out
 

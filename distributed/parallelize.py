@@ -239,7 +239,7 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
         apply_float8(model, precision, fsdp)
     if world.model_parallel:
         apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"),
-                                      parallel.sequence_parallel)
+                                      parallel.sequence_parallel, parallel.cp_attention, precision.attention_backend)
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
     if precision.amp_mode == "fp8":

@@ -15,7 +15,7 @@ What changes (parameter names are kept, so optimizer and checkpoint code work; t
 * ``patch_embed`` embeds only this CP rank's tokens, and the model's ``embed`` hook adds this rank's
   slice of ``pos_embed``;
 * ``blocks[i].norm1/norm2``, ``norm``: LayerNorms with replicated parameters; ``attn``: heads over TP, K/V
-  all-gathered over CP; ``mlp``: column ``fc1``, row ``fc2``;
+  all-gathered over CP (or passed around a ring of the CP ranks, ``cp_attention="ring"``); ``mlp``: column ``fc1``, row ``fc2``;
 * ``head`` runs on local tokens and the model's ``unpatchify`` hook first all-gathers the head outputs over
   CP (backward: each rank keeps its own tokens' gradient), so every parameter's CP-local gradient covers
   exactly its tokens and summing over CP is exact;
@@ -51,9 +51,11 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_f
 
 def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh | None,
                                   cp_group: dist.ProcessGroup | None,
-                                  sequence_parallel: bool = False) -> VisionTransformer:
+                                  sequence_parallel: bool = False, cp_attention: str = "all_gather",
+                                  attention_backend: str = "auto") -> VisionTransformer:
     """Convert ``model`` in place to TP over ``tp_mesh`` and CP over ``cp_group``, with sequence parallelism
-    over TP if ``sequence_parallel`` (ignored without TP); returns it.
+    over TP if ``sequence_parallel`` (ignored without TP); returns it. ``cp_attention`` (``all_gather`` or
+    ``ring``) and ``attention_backend`` go to every :class:`DistributedAttention`.
 
     Every rank must hold the same dense model (same seed or loaded checkpoint): each rank keeps its TP shard
     of it, so the parallel run starts from exactly the single-process initialization. ``None`` (or one rank)
@@ -64,8 +66,8 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
 
     Raises:
         TypeError: ``model`` is not a ``VisionTransformer``.
-        ValueError: it is already converted, a block has fewer heads than TP ranks, or there are more CP ranks
-            than tokens. The model is unchanged when raising.
+        ValueError: it is already converted, a block has fewer heads than TP ranks, there are more CP ranks
+            than tokens, or ``cp_attention`` is unknown. The model is unchanged when raising.
     """
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"expected a VisionTransformer, got {type(model).__name__}")
@@ -74,6 +76,8 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
     tp, cp, n = group_size(tp_group(tp_mesh)), group_size(cp_group), model.patch_embed.num_patches
     if cp > n:
         raise ValueError(f"{cp} CP ranks but only {n} tokens")
+    if cp_attention not in ("all_gather", "ring"):
+        raise ValueError(f"cp_attention must be 'all_gather' or 'ring', got {cp_attention!r}")
     for i, blk in enumerate(model.blocks):
         if blk.attn.num_heads < tp:
             raise ValueError(f"block {i} has {blk.attn.num_heads} heads, fewer than {tp} TP ranks")
@@ -83,7 +87,8 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
     seq_shapes = model.patch_embed.tp_shapes if sp else None  # this CP rank's tokens split over TP
     for blk in model.blocks:
         blk.norm1 = DistributedLayerNorm(blk.norm1, tp_mesh, sp)
-        blk.attn = DistributedAttention(blk.attn, tp_mesh, cp_group, seq_len=n, seq_shapes=seq_shapes)
+        blk.attn = DistributedAttention(blk.attn, tp_mesh, cp_group, seq_len=n, seq_shapes=seq_shapes,
+                                        cp_attention=cp_attention, attention_backend=attention_backend)
         blk.norm2 = DistributedLayerNorm(blk.norm2, tp_mesh, sp)
         blk.mlp = DistributedMLP(blk.mlp, tp_mesh, cp_group, seq_shapes=seq_shapes)
     model.norm = DistributedLayerNorm(model.norm, tp_mesh, sp)

@@ -176,6 +176,10 @@ class ParallelConfig:
                                          "GEMMs too, so LayerNorms, residual adds and their activations take 1/tp "
                                          "(Megatron-LM sequence parallelism; the same checkpoints): less memory, "
                                          "a little slower at mp (docs/parallelism.md)")
+    cp_attention: Literal["all_gather", "ring"] = key(
+        "all_gather", "context_parallel > 1: how attention reaches the other ranks' keys/values: all_gather them "
+                      "first, or ring: pass them around the ranks behind the attention of the chunk in hand "
+                      "(docs/parallelism.md)")
     parallel_order: Literal["tp-cp-dp", "cp-tp-dp", "tp-dp-cp", "cp-dp-tp", "dp-tp-cp", "dp-cp-tp"] = key(
         "tp-cp-dp", "mesh dimension order, innermost (adjacent ranks) first")
     bucket_cap_mb: int = key(25, "DDP gradient bucket size, MiB", AT_LEAST_1)
