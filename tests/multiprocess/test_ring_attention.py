@@ -18,6 +18,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from distributed.layers import DistributedAttention
 from distributed.mappings import compute_split_shapes, group_rank, group_size
@@ -180,15 +181,48 @@ def test_ring_attention_equals_single_process(world):
     run_distributed(_ring_worker, world)
 
 
+def _tp_cp_worker(rank, world):
+    """On a 2 x 2 (tp, cp) mesh, with and without sequence parallelism (q, k, v then hold the cp rank's tokens
+    sequence-first, piece-major): the ring layer computes what the all-gather layer does (which
+    ``tests/multiprocess/test_tensor_parallel.py`` checks against one process), gradients included."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp"))
+    tp, cp = mesh["tp"], mesh["cp"].get_group()
+    torch.manual_seed(0)
+    dense = Attention(6, 3).double()  # 3 heads over tp 2: 2 + 1
+    cp_shapes = compute_split_shapes(7, 2)  # 4 + 3 tokens
+    for sp in (False, True):
+        seq = compute_split_shapes(cp_shapes[group_rank(cp)], 2) if sp else None
+        x = _rand((2, 7, 6), 5).narrow(1, sum(cp_shapes[:group_rank(cp)]), cp_shapes[group_rank(cp)])
+        if sp:
+            x = x.narrow(1, sum(seq[:group_rank(tp.get_group())]), seq[group_rank(tp.get_group())])
+        results = []
+        for mode in ("all_gather", "ring"):
+            layer = DistributedAttention(copy.deepcopy(dense), tp, cp, seq_len=7, seq_shapes=seq, cp_attention=mode)
+            xl = x.clone().requires_grad_()
+            out = layer(xl)
+            (out * _rand(out.shape, 6)).sum().backward()
+            results.append([out, xl.grad] + [p.grad.to_local() for p in layer.parameters()])
+        for a, b in zip(*results):
+            _close(a, b, F64, f"sp={sp} ring vs all-gather")
+
+
+def test_ring_under_tensor_and_sequence_parallelism():
+    run_distributed(_tp_cp_worker, 4)
+
+
 # ----------------------------------------------------------------------------- training through the loop
 
 # 32x64 grid, patch 4 -> 128 tokens over cp 2 (64 + 64); max_grad_norm: the global norm over the cp ranks
 STEPS = {"num_iters": 3, "global_batch_size": 8, "max_grad_norm": 0.5}
 
 
-def test_cp2_ring_training_matches_single_process(tiny_data, tmp_path):
+@pytest.mark.parametrize("overrides", [{}, {"activation_checkpointing": "selective", "ac_every": 0}],
+                         ids=["plain", "op-level-checkpointing"])
+def test_cp2_ring_training_matches_single_process(tiny_data, tmp_path, overrides):
+    """The op-level checkpointing policy keeps the attention kernels' outputs and recomputes the rest of the
+    block, the ring's passes included."""
     single = train_checkpoint(tiny_params(tiny_data, tmp_path / "single", **STEPS))
     run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "cp2"),
-                    {**STEPS, "context_parallel": 2, "cp_attention": "ring"})
+                    {**STEPS, **overrides, "context_parallel": 2, "cp_attention": "ring"})
     ring = torch.load(tmp_path / "cp2" / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt")["model"]
     assert_state_close(single, ring, atol=1e-5)
