@@ -68,7 +68,8 @@ def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, ba
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str):
-    """``softmax(q k^T / sqrt(d)) v`` of one key/value chunk and its log-sum-exp.
+    """``softmax(q k^T / sqrt(d)) v`` of one key/value chunk (scaled dot-product attention, Vaswani et al. 2017)
+    and its log-sum-exp ``log sum_j exp(q k_j^T / sqrt(d))``.
 
     ``q`` ``(B, h, n, d)``, ``k``/``v`` ``(B, h, m, d)``, one float dtype, ``n, m > 0`` (the CPU kernel dies
     of an empty one). Returns ``(out (B, h, n, d) in q's dtype, lse (B, h, n) fp32 (fp64 for fp64), aux)``;
@@ -148,7 +149,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, shapes, rank, group_name, kernel):
-        size, (batch, heads, n, dim) = len(shapes), q.shape
+        size, n = len(shapes), q.shape[2]
         chunks = [torch.stack([k, v])]  # chunks[s]: rank (rank - s)'s K/V, (2, B, h, m, d)
         out = lse = None
         auxes = []
@@ -164,7 +165,7 @@ class _RingAttention(torch.autograd.Function):
             if s + 1 < size:
                 chunks.append(_finish_pass(pending, _chunk_shape(chunks[s], incoming)))
         out = q.new_zeros(q.shape) if out is None else out.to(q.dtype)
-        lse = q.new_zeros((batch, heads, n), dtype=torch.float32) if lse is None else lse
+        lse = q.new_zeros(q.shape[:3], dtype=torch.float32) if lse is None else lse  # no queries: unread
         flat, ctx.layout = _flatten_aux(auxes)
         ctx.save_for_backward(q, out, lse, *chunks, *flat)
         ctx.shapes, ctx.rank, ctx.group_name, ctx.kernel = shapes, rank, group_name, kernel

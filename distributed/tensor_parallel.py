@@ -15,7 +15,8 @@ What changes (parameter names are kept, so optimizer and checkpoint code work; t
 * ``patch_embed`` embeds only this CP rank's tokens, and the model's ``embed`` hook adds this rank's
   slice of ``pos_embed``;
 * ``blocks[i].norm1/norm2``, ``norm``: LayerNorms with replicated parameters; ``attn``: heads over TP, K/V
-  all-gathered over CP (or passed around a ring of the CP ranks, ``cp_attention="ring"``); ``mlp``: column ``fc1``, row ``fc2``;
+  all-gathered over CP (or passed around a ring of the CP ranks, ``cp_attention="ring"``); ``mlp``: column
+  ``fc1``, row ``fc2``;
 * ``head`` runs on local tokens and the model's ``unpatchify`` hook first all-gathers the head outputs over
   CP (backward: each rank keeps its own tokens' gradient), so every parameter's CP-local gradient covers
   exactly its tokens and summing over CP is exact;
