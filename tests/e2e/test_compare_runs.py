@@ -45,7 +45,7 @@ def make_run(expdir: Path, config_name: str, world_size: int, run_num: str, lr: 
     lines = []
     for e in range(n_epochs):
         scale = world_size * (1 + lr * 1000)  # distinct per run
-        record = {"epoch": e, "iteration": 10 * (e + 1), "elapsed_s": 30.0 * (e + 1), "epoch_time_s": 30.0,
+        record = {"epoch": e + 1, "iteration": 10 * (e + 1), "elapsed_s": 30.0 * (e + 1), "epoch_time_s": 30.0,
                   "samples_per_s": SAMPLES_PER_S[e] * scale, "data_wait_share": 0.1, "lr": lr,
                   "loss/train": 1.0 / (e + 1) / scale}
         if e in VALIDATED:
@@ -266,7 +266,7 @@ def _non_numeric_metric(expdir):
 
 def _old_metrics_format(expdir):
     path = expdir / "tiny" / "2GPU" / "01" / "metrics.jsonl"
-    path.write_text(json.dumps({"epoch": 0, "iteration": 10, "epoch_time": 3.0, "rmse": {"t2m": 1.0}}) + "\n")
+    path.write_text(json.dumps({"epoch": 1, "iteration": 10, "epoch_time": 3.0, "rmse": {"t2m": 1.0}}) + "\n")
     return ["--expdir", str(expdir)], f"{path}, line 1: no elapsed_s"
 
 

@@ -4,6 +4,7 @@ process, DDP, FSDP, tensor parallel, context parallel and tensor parallel with F
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -57,7 +58,8 @@ ENSEMBLE = ["--noise_channels", "2", "--loss", "crps", "--ensemble_members", "3"
 def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_data, tmp_path, tmp_path_factory,
                                                                        inputs, ranks):
     """K rises 1 -> 2 -> 3 at iterations 6 and 12: killed after 13 (checkpoint at 10, K 2), the same command
-    continues the curriculum across the raise at 12 to bitwise the uninterrupted run (with forcings too: each of the
+    continues the curriculum across the raise at 12 to bitwise the uninterrupted run, its epoch lines showing K's range
+    over each epoch and its records counting epochs from 1 as they do (with forcings too: each of the
     K applications reads those of its own valid time, recomputed after the restart; with an ensemble too: each
     member's noise is drawn again from its key, on one rank or with its 3 members on 3 ranks)."""
     curriculum = ["--rollout_max_steps", "3", "--rollout_raise_every", "6", "--rollout_checkpointing", "true",
@@ -72,9 +74,13 @@ def test_sigkill_mid_rollout_curriculum_then_rerun_equals_uninterrupted(tiny_dat
     assert "resumed at iteration 10" in (run / "out.log").read_text()
     assert_same_state(run, whole(), tmp_path)
     assert [m["train/rollout_steps"] for m in metrics(run)] == [2, 3, 3]  # epochs end at 8, 16, 24
+    assert [m["epoch"] for m in metrics(run)] == [1, 2, 3]  # as the console counts them
     log = (run / "out.log").read_text()
     assert "epoch 3 step 8/8 loss" in log and "train loss" in log
     assert [line.rsplit(" K ", 1)[-1] for line in log.splitlines() if " step 8/8 loss " in line] == ["2", "3", "3"]
+    # the epoch line: K over the epoch, a range where a raise fell inside it (epoch 2 resumed at 10, after its start)
+    epochs = [re.search(r" epoch (\d)/3 \|.*\(K ([\d-]+)\)", line) for line in log.splitlines()]
+    assert [m.groups() for m in epochs if m] == [("1", "1-2"), ("2", "2-3"), ("3", "3")], log
 
 
 def test_fine_tune_from_a_run_killed_then_rerun_resumes_its_own_checkpoint(tiny_data, tmp_path, tmp_path_factory):

@@ -92,19 +92,19 @@ def test_nothing_is_installed_outside_the_window(tmp_path):
     optimizer = torch.optim.Adam(model.parameters())
     globals_before = dict(nn.modules.module._global_forward_pre_hooks)
     off = MemoryProfiler(MemoryConfig(), tmp_path / "memory", cpu_world(), model, optimizer, B)
-    assert all(isinstance(off.step(0, s), contextlib.nullcontext) for s in range(4))
+    assert all(isinstance(off.step(1, s), contextlib.nullcontext) for s in range(4))
     on = MemoryProfiler(MemoryConfig(memory_profile=True, memory_profile_start_step=1, memory_profile_steps=1),
                         tmp_path / "memory", cpu_world(), model, optimizer, B)
-    assert isinstance(on.step(0, 0), contextlib.nullcontext) and isinstance(on.step(1, 1), contextlib.nullcontext)
+    assert isinstance(on.step(1, 0), contextlib.nullcontext) and isinstance(on.step(2, 1), contextlib.nullcontext)
     assert not (tmp_path / "memory").exists()
-    with on.step(0, 1):
+    with on.step(1, 1):
         assert model._forward_pre_hooks and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
         train_step(model, optimizer)
     assert not model._forward_pre_hooks and not model.blocks[0]._forward_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert nn.modules.module._global_forward_pre_hooks == globals_before
     assert not optimizer._optimizer_step_pre_hooks
-    assert isinstance(on.step(0, 2), contextlib.nullcontext)  # the window is over
+    assert isinstance(on.step(1, 2), contextlib.nullcontext)  # the window is over
 
 
 def read_rank_files(directory) -> tuple[dict, list, str]:
@@ -127,9 +127,9 @@ def test_window_writes_the_promised_files_on_cpu(tmp_path, caplog):
     profiler = MemoryProfiler(cfg, tmp_path / "memory", cpu_world(), model, optimizer, B)
     with caplog.at_level(logging.INFO, logger="training.monitor.memory_profile"):
         for step in range(4):
-            with profiler.step(0, step):
+            with profiler.step(1, step):
                 train_step(model, optimizer, micro_batches=2)
-        profiler.end_epoch(0)
+        profiler.end_epoch(1)
     profiler.close(None)
     summary, stats, table = read_rank_files(tmp_path / "memory" / "rank0")
     assert SUMMARY_KEYS | {"peak_rss_bytes"} <= summary.keys()
@@ -142,14 +142,14 @@ def test_window_writes_the_promised_files_on_cpu(tmp_path, caplog):
         train_step(model, optimizer, micro_batches=2)
     assert summary["activation_bytes_per_step"] == one_step.total > 0
     assert summary["activation_bytes_per_sample"] == summary["activation_bytes_per_step"] / (2 * B)
-    assert [(r["epoch"], r["step"]) for r in stats] == [(0, 1), (0, 2)]
+    assert [(r["epoch"], r["step"]) for r in stats] == [(1, 1), (1, 2)]  # epochs counted from 1
     for record in stats:
         start, end, diff = record["start"], record["end"], record["end_minus_start"]
         assert {"host_rss_bytes", "host_vms_bytes"} <= start.keys() == diff.keys()
         assert diff["host_rss_bytes"] == end["host_rss_bytes"] - start["host_rss_bytes"]
     assert "VisionTransformer.blocks.1" in table and "Activation" in table and "Optstate" in table
     assert "blocks.1.attn" not in table  # depth 3: root, its children, the blocks
-    assert re.search(r"memory profile \(e0 s1, e0 s2\), [MG]iB per rank", caplog.text)  # MiB below 1 GiB
+    assert re.search(r"memory profile \(e1 s1, e1 s2\), [MG]iB per rank", caplog.text)  # MiB below 1 GiB
     assert "memory_viz" not in caplog.text
     assert "nothing profiled" not in caplog.text
 
@@ -157,17 +157,17 @@ def test_window_writes_the_promised_files_on_cpu(tmp_path, caplog):
 def test_epoch_end_closes_a_window_it_cut_short(tmp_path):
     model = tiny_vit()
     optimizer = torch.optim.Adam(model.parameters())
-    cfg = MemoryConfig(memory_profile=True, memory_profile_epoch=1, memory_profile_start_step=1,
+    cfg = MemoryConfig(memory_profile=True, memory_profile_epoch=2, memory_profile_start_step=1,
                        memory_profile_steps=5)
     profiler = MemoryProfiler(cfg, tmp_path, cpu_world(), model, optimizer, B)
-    for epoch in range(3):
+    for epoch in range(1, 4):
         for step in range(3):
             with profiler.step(epoch, step):
                 train_step(model, optimizer)
         profiler.end_epoch(epoch)
     profiler.close(None)
     summary, stats, _ = read_rank_files(tmp_path / "rank0")
-    assert [(w["epoch"], w["step"]) for w in summary["window"]] == [(1, 1), (1, 2)] and len(stats) == 2
+    assert [(w["epoch"], w["step"]) for w in summary["window"]] == [(2, 1), (2, 2)] and len(stats) == 2
 
 
 def test_an_epoch_without_the_window_steps_says_so(tmp_path, caplog):
@@ -176,10 +176,10 @@ def test_an_epoch_without_the_window_steps_says_so(tmp_path, caplog):
     cfg = MemoryConfig(memory_profile=True, memory_profile_start_step=5)
     profiler = MemoryProfiler(cfg, tmp_path, cpu_world(), model, optimizer, B)
     for step in range(2):
-        with profiler.step(0, step):
+        with profiler.step(1, step):
             train_step(model, optimizer)
-    profiler.end_epoch(0)
-    assert "epoch 0 ran none of the window's steps 5-6; nothing profiled" in caplog.text
+    profiler.end_epoch(1)
+    assert "epoch 1 ran none of the window's steps 5-6; nothing profiled" in caplog.text
     assert not tmp_path.joinpath("rank0").exists()
 
 
@@ -204,7 +204,7 @@ def fsdp_window(rank: int, world_size: int, directory: str) -> None:
                        memory_profile_depth=3)
     profiler = MemoryProfiler(cfg, directory, world, model, optimizer, B)
     for step in range(2):
-        with profiler.step(0, step):
+        with profiler.step(1, step):
             train_step(model, optimizer, micro_batches=2)
     profiler.close(None)
     summary, _, table = read_rank_files(Path(directory) / f"rank{rank}")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import torch
 
 from tests.dist_utils import run_distributed
+from training.loop.state import TrainState
 from training.monitor.memory import MemoryTracker, NO_RETRY, format_memory
 from training.monitor.profiling import ProfilerWindow
 
@@ -67,16 +67,17 @@ def test_memory_report_is_the_maximum_over_ranks_with_its_rank():
 
 def test_profiler_window_starts_and_stops_at_the_configured_steps(monkeypatch, caplog):
     monkeypatch.setenv("ENABLE_PROFILING", "1")
-    window = ProfilerWindow(epoch=1, start_step=2, steps=3, rank=0)
+    """Epochs counted from 1 (``--profile_epoch 2``: the console's ``epoch 2``, the state's second epoch)."""
+    window = ProfilerWindow(epoch=2, start_step=2, steps=3, rank=0)
     with caplog.at_level(logging.INFO, logger="training.monitor.profiling"):
         for epoch in range(3):
             for step in range(8):
-                window.step_start(SimpleNamespace(epoch=epoch, epoch_step=step))
-            window.epoch_end(SimpleNamespace(epoch=epoch + 1, epoch_step=0), {"epoch": epoch})
+                window.step_start(TrainState(epoch=epoch, epoch_step=step))
+            window.epoch_end(TrainState(epoch=epoch + 1), {"epoch": epoch + 1})
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert lines[0].startswith("rank 0: CUDA profiler start at epoch 1 step 2")
-    assert lines[1].startswith("rank 0: CUDA profiler stop at epoch 1 step 5")
+    assert lines[0].startswith("rank 0: CUDA profiler start at epoch 2 step 2")
+    assert lines[1].startswith("rank 0: CUDA profiler stop at epoch 2 step 5")
 
 
 def test_profiler_window_is_off_without_the_environment_and_on_other_ranks(monkeypatch):

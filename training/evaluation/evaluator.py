@@ -75,7 +75,7 @@ class Evaluator(Component):
     def epoch_end(self, state, record: dict) -> None:
         """Validate after every ``valid_every``-th epoch and after the last one: the scores, ``valid_time_s``
         (the seconds they took) and the figures (``record["figures"]``) join the epoch's record."""
-        if (record["epoch"] + 1) % self.cfg.valid_every and not state.done:
+        if record["epoch"] % self.cfg.valid_every and not state.done:
             return
         start = time.perf_counter()
         with self.phase("validation"):

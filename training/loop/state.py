@@ -22,7 +22,8 @@ TRANSIENT = {"transient": True}  # this process's view of the run, never saved
 class TrainState:
     """Progress of a run: ``state_dict`` is identical on every rank, ``per_rank_state_dict`` is not.
 
-    Saved: ``step``: optimizer steps done; ``epoch``: the epoch in progress; ``epoch_step``: optimizer steps
+    Saved: ``step``: optimizer steps done; ``epoch``: the epoch in progress, 0-based (the data order's
+    argument; users see :attr:`epoch_number`); ``epoch_step``: optimizer steps
     of ``epoch`` done; ``elapsed_s``: training wall-clock seconds before this process started
     (``metrics.jsonl``'s ``elapsed_s`` continues from it); ``data_parallel``: the data-parallel
     ranks of the run that saved it; ``epoch_loss_mean``: the mean over those ranks of
@@ -52,6 +53,12 @@ class TrainState:
     def done(self) -> bool:
         """Whether the run has made all its optimizer steps."""
         return self.step >= self.total_steps
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch in progress counted from 1, as every output counts it (the console's ``epoch 1/13``,
+        ``metrics.jsonl``, the profiling windows' epoch keys)."""
+        return self.epoch + 1
 
     @property
     def last_step_of_epoch(self) -> bool:

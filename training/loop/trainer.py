@@ -242,7 +242,7 @@ class Trainer:
             raise UserError(f"checkpoint folder step_{step:08d} holds iteration {self.state.step}, not {step}: it "
                             f"was renamed or copied under another name; rename it step_{self.state.step:08d} (and "
                             "its latest file), or pass another --resume")
-        log.info("resumed at iteration %d (epoch %d, step %d of it) from %s", step, self.state.epoch + 1,
+        log.info("resumed at iteration %d (epoch %d, step %d of it) from %s", step, self.state.epoch_number,
                  self.state.epoch_step, source or self.run_dir / "checkpoints")
         if not run.resume:  # --resume PATH starts a new run from that state: its records start afresh
             self.state.resumed_step = None
@@ -382,13 +382,17 @@ class Trainer:
         return self._epoch_record(epoch, end - start, elapsed)
 
     def _epoch_record(self, epoch: int, steps: int, elapsed: float) -> dict:
-        """The finished epoch's record; the state moves on to the next epoch."""
+        """The finished epoch's record (``epoch`` counted from 1); the state moves on to the next epoch."""
         state = self.state
         samples_per_s = steps * self.global_bs / elapsed if steps else math.nan
-        record = {"epoch": epoch, "iteration": state.step, "epoch_time_s": elapsed, "samples_per_s": samples_per_s,
-                  "data_wait_share": self.data_wait / elapsed, "lr": self.optimizer.param_groups[0]["lr"],
+        record = {"epoch": state.epoch_number, "iteration": state.step, "epoch_time_s": elapsed,
+                  "samples_per_s": samples_per_s, "data_wait_share": self.data_wait / elapsed,
+                  "lr": self.optimizer.param_groups[0]["lr"],
                   "loss/train": state.epoch_loss_mean / max(1, state.epoch_step),
                   "train/rollout_steps": self.step_fn.rollout_steps}
+        if self.cfg.optim.rollout_max_steps:  # a curriculum may raise K inside the epoch: the K it started with
+            first_step = state.step - state.epoch_step  # epoch_step counts the steps before a resume too
+            record["train/rollout_steps_first"] = rollout_steps_at(self.cfg.optim, first_step, epoch)
         if self.peak_flops:
             # a sample is K model applications (the K of the epoch's last step)
             record["mfu"] = (samples_per_s * self.flops_per_sample * self.step_fn.rollout_steps

@@ -1,7 +1,8 @@
 """Memory profiling over a window of training steps (``--memory_profile``): where every byte goes, per rank.
 
 The window is steps ``memory_profile_start_step .. + memory_profile_steps - 1`` of epoch
-``memory_profile_epoch`` (0-based, like the Nsight window of ``training/monitor/profiling.py``). Outside it
+``memory_profile_epoch`` (counted from 1, as the console counts epochs; steps 0-based, like the Nsight window of
+``training/monitor/profiling.py``). Outside it
 :meth:`MemoryProfiler.step` returns a ``contextlib.nullcontext``: no hooks, no allocator history,
 no synchronization. Inside it every rank writes, under ``<run_dir>/memory/rank<r>/``:
 
@@ -113,7 +114,7 @@ class MemoryProfiler(Component):
         self.active: contextlib.AbstractContextManager | None = None  # the profiled step in progress
 
     def step_start(self, state) -> None:
-        self.active = self.step(state.epoch, state.epoch_step)
+        self.active = self.step(state.epoch_number, state.epoch_step)
         self.active.__enter__()
 
     def step_end(self, state) -> None:
@@ -124,8 +125,8 @@ class MemoryProfiler(Component):
         self.end_epoch(record["epoch"])
 
     def step(self, epoch: int, step: int) -> contextlib.AbstractContextManager:
-        """Context for one whole training step (0-based ``step`` within ``epoch``; forward and backward
-        of every micro-batch, optimizer step, ``zero_grad``): profiled inside the window, a
+        """Context for one whole training step (0-based ``step`` within ``epoch``, which counts from 1; forward
+        and backward of every micro-batch, optimizer step, ``zero_grad``): profiled inside the window, a
         ``contextlib.nullcontext()`` outside it. A run resumed inside the window profiles the window's
         remaining steps. After the window's last step every rank writes its files and rank 0 logs the
         summary (collective)."""

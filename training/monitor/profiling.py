@@ -32,7 +32,7 @@ def nvtx_range(name: str):
 
 
 class ProfilerWindow(Component):
-    """Start the CUDA profiler at (``epoch``, ``start_step``) and stop it ``steps`` steps later.
+    """Start the CUDA profiler at (``epoch``, counted from 1, ``start_step``) and stop it ``steps`` steps later.
 
     Active only when ``ENABLE_PROFILING=1`` and on the ranks selected by ``PROFILE_ALL_RANKS``
     (default: rank 0). Each transition is logged.
@@ -48,7 +48,7 @@ class ProfilerWindow(Component):
 
     def step_start(self, state) -> None:
         """Start the window at its first step, stop it at the step after its last (0-based steps of the epoch)."""
-        epoch, step = state.epoch, state.epoch_step
+        epoch, step = state.epoch_number, state.epoch_step
         if not self.enabled or epoch != self.epoch:
             return
         if step == self.first and not self.running:

@@ -32,8 +32,9 @@ from utils.core.files import open_append, read_bounded, read_jsonl, write_json_a
 from utils.core.lock import is_held
 
 log = logging.getLogger(__name__)
-# record keys that are not scalars of the run (axes, or which rank had a maximum)
-NOT_SCALARS = ("epoch", "iteration", "elapsed_s")
+# record keys that are not scalars of the run (axes, or which rank had a maximum; the K an epoch started with is
+# for the epoch line's range: train/rollout_steps is the curve)
+NOT_SCALARS = ("epoch", "iteration", "elapsed_s", "train/rollout_steps_first")
 
 
 def now() -> str:
@@ -105,6 +106,13 @@ def session_end(status: str):
 def tensorboard_tag(key: str) -> str:
     """TensorBoard tag of a record key: sectioned keys as they are, throughput under ``perf/``."""
     return key if "/" in key or key == "lr" else f"perf/{key}"
+
+
+def rollout_range(record: dict[str, Any]) -> str:
+    """The K of an epoch record: ``2``, or ``1-2`` when the curriculum raised it during the epoch."""
+    last = record["train/rollout_steps"]
+    first = record.get("train/rollout_steps_first", last)
+    return f"{last}" if first == last else f"{first}-{last}"
 
 
 def hparam_value(value: Any) -> bool | int | float | str:
@@ -203,7 +211,7 @@ class Reporter(Component):
     def epoch_start(self, state) -> None:
         # batch jobs (SLURM) get plain lines even when srun hands them a terminal
         if self.run_dir is not None and sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ:
-            self.bar = tqdm(total=state.epoch_end - state.epoch_step, desc=f"epoch {state.epoch + 1}", leave=False,
+            self.bar = tqdm(total=state.epoch_end - state.epoch_step, desc=f"epoch {state.epoch_number}", leave=False,
                             dynamic_ncols=True)
 
     def step_end(self, state) -> None:
@@ -219,7 +227,7 @@ class Reporter(Component):
         step = state.epoch_step - (state.step - iteration)  # that iteration's step of this epoch
         if step > 0 and (step % self.cfg.log_every == 0 or step == state.epoch_end):
             k = f" K {self.rollout_steps(iteration - 1, state.epoch)}" if self.rollout_steps else ""
-            log.info("epoch %d step %d/%d loss %.4f%s", state.epoch + 1, step, state.epoch_end, loss, k)
+            log.info("epoch %d step %d/%d loss %.4f%s", state.epoch_number, step, state.epoch_end, loss, k)
             self.printed = iteration
 
     def epoch_end(self, state, record: dict[str, Any]) -> None:
@@ -252,10 +260,10 @@ class Reporter(Component):
                             "filesystem") from None
 
     def epoch_line(self, r: dict[str, Any], n_epochs: int) -> str:
-        line = (f"epoch {r['epoch'] + 1}/{n_epochs} | {r['epoch_time_s']:.2f} s | {r['samples_per_s']:.1f} samples/s"
+        line = (f"epoch {r['epoch']}/{n_epochs} | {r['epoch_time_s']:.2f} s | {r['samples_per_s']:.1f} samples/s"
                 + (f" | MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
                 + f" | data wait {100 * r['data_wait_share']:.0f}% | train loss {r['loss/train']:.4f}"
-                + (f" (K {r['train/rollout_steps']})" if self.rollout_steps else ""))
+                + (f" (K {rollout_range(r)})" if self.rollout_steps else ""))
         if "loss/valid" in r:
             line += f" | valid loss {r['loss/valid']:.4f} | RMSE " + " ".join(
                 f"{k} {r[f'rmse/{k}']:.4g} (persistence {r[f'rmse_persistence/{k}']:.4g})" for k in self.key_channels)

@@ -224,7 +224,7 @@ class LoggingConfig:
     expdir: str = key("runs", "root of run directories <expdir>/<config>/<N>GPU/<run_num>/")
     run_num: str = key("auto", "run id; auto: the next free number (00, 01, ...)")
     log_every: int = key(10, "steps between progress lines when not on a terminal", AT_LEAST_1)
-    profile_epoch: int = key(1, "0-based epoch of the Nsight window (ENABLE_PROFILING=1)", NON_NEGATIVE)
+    profile_epoch: int = key(2, "epoch of the Nsight window, counted from 1 (ENABLE_PROFILING=1)", AT_LEAST_1)
     profile_start_step: int = key(5, "first step of the Nsight window", NON_NEGATIVE)
     profile_steps: int = key(5, "steps in the Nsight window", AT_LEAST_1)
 
@@ -234,7 +234,7 @@ class MemoryConfig:
     """The memory profiling window and OOM handling (``training/monitor/oom.py``, ``training/monitor/memory_profile.py``)."""
 
     memory_profile: bool = key(False, "profile memory over a window of steps into <run_dir>/memory/rank<r>/")
-    memory_profile_epoch: int = key(0, "0-based epoch of the memory profiling window", NON_NEGATIVE)
+    memory_profile_epoch: int = key(1, "epoch of the memory profiling window, counted from 1", AT_LEAST_1)
     memory_profile_start_step: int = key(1, "first step (within the epoch) of the memory profiling window",
                                          NON_NEGATIVE)
     memory_profile_steps: int = key(2, "steps in the memory profiling window", AT_LEAST_1)
