@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.test_gpu import _last_record, _train_cli
+from tests.gpu.background import Run
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0)
@@ -24,6 +24,14 @@ pytestmark = pytest.mark.skipif(
 # bits: 7.2 % in RMS each) on top of the forward's operands: 0.2 (measured 0.10-0.14).
 FORWARD_TOLERANCE = 0.15
 GRADIENT_TOLERANCE = 0.2
+
+# head dim 128 (width 256, 2 heads), 30 steps, with and without fp8 attention; and tiny's head dim 16
+_WIDE = ("--amp_mode", "fp8", "--embed_dim", "256", "--num_heads", "2", "--num_iters", "30", "--limit_nsamples", "240")
+RUNS = {  # started when the session starts, side by side (tests/gpu/background.py)
+    "wide-true": Run((*_WIDE, "--fp8_attention", "true"), needs=("torchao",), hopper=True),
+    "wide-false": Run((*_WIDE, "--fp8_attention", "false"), needs=("torchao",), hopper=True),
+    "narrow": Run(("--amp_mode", "fp8"), needs=("torchao",), hopper=True),
+}
 
 
 def _relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,20 +77,19 @@ def test_fp8_attention_compiles_as_one_op():
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
 
 
-def test_fp8_run_names_its_attention_and_trains_like_bf16_attention(tiny_data, tmp_path):
+@pytest.mark.runs("wide-true", "wide-false", "narrow")
+def test_fp8_run_names_its_attention_and_trains_like_bf16_attention(train_run):
     """Head dim 128 (width 256, 2 heads) runs fp8 attention and says so; its loss after 30 steps is within 5 % of
     the same run with bf16 attention. Head dim 16 falls back, and the line says why."""
     pytest.importorskip("torchao")
-    wide = ["--amp_mode", "fp8", "--embed_dim", "256", "--num_heads", "2", "--num_iters", "30",
-            "--limit_nsamples", "240"]
     losses = {}
     for flag in ("true", "false"):
-        proc = _train_cli(tmp_path / flag, tiny_data, *wide, "--fp8_attention", flag)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        losses[flag] = _last_record(tmp_path / flag, 1)["loss/train"]
+        done = train_run(f"wide-{flag}")
+        assert done.ok(), done.failure()
+        losses[flag] = done.last_record()["loss/train"]
         named = "fp8 attention: cuDNN" if flag == "true" else "fp8 attention off, bf16 attention instead: --fp8"
-        assert named in proc.stdout + proc.stderr
+        assert named in done.output()
     assert math.isfinite(losses["true"]) and abs(losses["true"] / losses["false"] - 1) < 0.05, losses
-    narrow = _train_cli(tmp_path / "narrow", tiny_data, "--amp_mode", "fp8")
-    assert narrow.returncode == 0, narrow.stderr[-3000:]
-    assert "bf16 attention instead: cuDNN builds no fp8 attention for head dim 16" in narrow.stdout + narrow.stderr
+    narrow = train_run("narrow")
+    assert narrow.ok(), narrow.proc.stderr[-3000:]
+    assert "bf16 attention instead: cuDNN builds no fp8 attention for head dim 16" in narrow.output()

@@ -2,7 +2,8 @@
 fp8 training on Hopper (one GPU, and FSDP's float8 all-gather on two); tensor parallelism with and without
 sequence parallelism, compiled, on two GPUs; the checkpoint's page-locked host
 buffers; the memory profiling window's allocator snapshots (loaded by PyTorch's own tools), CUDA statistics
-and FSDP2 memory tracker."""
+and FSDP2 memory tracker. The tests' train.py runs (``RUNS``) start together when the session starts
+(tests/gpu/background.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,32 @@ from distributed.checkpoint.staging import HostStager, register_pinned_memory
 from utils.config.loading import load_config
 from utils.data.loaders import build_data
 from training.monitor.memory_profile import MemoryProfiler
+from tests.gpu.background import Run
 from utils.config.schema import MemoryConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+_TP2_SP = ("--tensor_parallel", "2", "--enable_jit", "true", "--sequence_parallel")
+# The tests' train.py runs (tests/gpu/background.py: tiny, 8 steps on 64 samples), all started when the session
+# starts and side by side, each waited for by the test that names it.
+RUNS = {
+    "cudnn-fp32": Run(("--attention_backend", "cudnn", "--amp_mode", "none")),
+    "efficient-fp32": Run(("--attention_backend", "efficient", "--amp_mode", "none")),
+    "cpu-offload": Run(("--fsdp", "zero3", "--fsdp_cpu_offload", "--amp_mode", "bf16", "--global_batch_size", "8"),
+                       gpus=2),
+    "sp-true": Run((*_TP2_SP, "true", "--amp_mode", "none"), gpus=2),
+    "sp-false": Run((*_TP2_SP, "false", "--amp_mode", "none"), gpus=2),
+    # the benchmarks' setting: bf16 with cuDNN attention on the sequence-first q, k, v
+    "sp-cudnn": Run((*_TP2_SP, "true", "--amp_mode", "bf16", "--attention_backend", "cudnn"), gpus=2),
+    # 128 tokens per sample
+    "fp8-aligned": Run(("--amp_mode", "fp8", "--img_size", "[32,64]"), needs=("torchao",), hopper=True),
+    # 45 tokens per sample: zero-padded weight-gradient GEMMs
+    "fp8-padded": Run(("--amp_mode", "fp8", "--img_size", "[20,36]"), needs=("torchao",), hopper=True),
+    "fp8-compiled-rowwise": Run(("--amp_mode", "fp8", "--enable_jit", "true", "--fp8_recipe", "rowwise"),
+                                needs=("torchao",), hopper=True),
+    "fp8-fsdp": Run(("--amp_mode", "fp8", "--fsdp", "zero3", "--global_batch_size", "8"), gpus=2,
+                    needs=("torchao",), hopper=True),
+}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -72,27 +96,15 @@ def test_dali_gpu_pipeline_equals_native_cpu_batches(tiny_data):
         dali.train.close(), dali.valid.close()
 
 
-def _train_cli(tmp_path, tiny_data, *args, launcher=()):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.dist_utils import subprocess_env
-    root = Path(__file__).resolve().parents[2]
-    return subprocess.run([*(launcher or [sys.executable]), str(root / "train.py"), "--config", "tiny",
-                           "--data_path", str(tiny_data), "--expdir", str(tmp_path), "--num_iters", "8",
-                           "--limit_nsamples", "64", "--log_every", "1000", *args],
-                          cwd=root, capture_output=True, text=True, timeout=600, env=subprocess_env())
-
-
-def test_attention_backend_is_checked_in_the_runs_dtype(tiny_data, tmp_path):
+@pytest.mark.runs("cudnn-fp32", "efficient-fp32")
+def test_attention_backend_is_checked_in_the_runs_dtype(train_run):
     """cuDNN attention has no fp32 kernel: with --amp_mode none it is a one-line error, not a crash mid-step;
     the probe itself runs in the run's dtype (fp32 here), so a backend that has fp32 kernels trains."""
     from utils.core.errors import UserError
     from training.loop.step import set_attention_backend
-    bad = _train_cli(tmp_path / "a", tiny_data, "--attention_backend", "cudnn", "--amp_mode", "none")
+    bad = train_run("cudnn-fp32").proc
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --attention_backend cudnn runs only in")
-    good = _train_cli(tmp_path / "b", tiny_data, "--attention_backend", "efficient", "--amp_mode", "none")
+    good = train_run("efficient-fp32").proc
     assert good.returncode == 0, good.stderr
     try:
         with pytest.raises(UserError, match="cannot run head dim 16 in float32"):
@@ -156,38 +168,26 @@ def test_progress_lines_never_synchronize_the_gpu(tiny_data, tmp_path, monkeypat
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fsdp_cpu_offload_trains_on_two_gpus(tiny_data, tmp_path):
+@pytest.mark.runs("cpu-offload")
+def test_fsdp_cpu_offload_trains_on_two_gpus(train_run):
     """--fsdp_cpu_offload materializes the shards on the host (FSDP2's CPUOffloadPolicy requires it)."""
-    import json
-    import sys
-    from tests.dist_utils import free_port
-    proc = _train_cli(tmp_path, tiny_data, "--fsdp", "zero3", "--fsdp_cpu_offload", "--amp_mode", "bf16",
-                      "--global_batch_size", "8",
-                      launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                f"--master_port={free_port()}"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = json.loads(next(tmp_path.glob("tiny/2GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
+    done = train_run("cpu-offload")
+    assert done.ok(), done.failure()
+    record = done.last_record()
     assert record["loss/train"] == record["loss/train"] and record["memory/peak_allocated"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_sequence_parallel_compiled_on_two_gpus_trains_like_tp2_without_it(tiny_data, tmp_path):
+@pytest.mark.runs("sp-true", "sp-false", "sp-cudnn")
+def test_tp2_sequence_parallel_compiled_on_two_gpus_trains_like_tp2_without_it(train_run):
     """Sequence parallelism over NCCL under torch.compile (inductor, fp32): the overlapped all-gathers and
     reduce-scatters of distributed/sequence_parallel.py give the losses of plain tensor parallelism (the same
-    sums in another order)."""
-    import sys
-    from tests.dist_utils import free_port
-    runs = {"true": ["--amp_mode", "none"], "false": ["--amp_mode", "none"],
-            # the benchmarks' setting: bf16 with cuDNN attention on the sequence-first q, k, v
-            "cudnn": ["--amp_mode", "bf16", "--attention_backend", "cudnn"]}
+    sums in another order). The three runs go side by side (tests/gpu/background.py)."""
     losses = {}
-    for name, args in runs.items():
-        proc = _train_cli(tmp_path / name, tiny_data, "--tensor_parallel", "2", "--enable_jit", "true",
-                          "--sequence_parallel", "false" if name == "false" else "true", *args,
-                          launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                    f"--master_port={free_port()}"])
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        losses[name] = _last_record(tmp_path / name, 2)["loss/train"]
+    for name in ("true", "false", "cudnn"):
+        done = train_run(f"sp-{name}")
+        assert done.ok(), done.failure()
+        losses[name] = done.last_record()["loss/train"]
     assert math.isfinite(losses["true"]) and losses["true"] == pytest.approx(losses["false"], rel=1e-3)
     assert losses["cudnn"] == pytest.approx(losses["true"], rel=5e-2)  # bf16 rounding
 
@@ -196,34 +196,27 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
-def _last_record(tmp_path, gpus: int) -> dict:
-    return json.loads(next(tmp_path.glob(f"tiny/{gpus}GPU/*/metrics.jsonl")).read_text().splitlines()[-1])
-
-
 @pytest.mark.skipif(not _hopper(), reason="needs a GPU of compute capability 9.0 (Hopper) or newer")
-@pytest.mark.parametrize("args", [
-    ["--img_size", "[32,64]"],  # 128 tokens per sample
-    ["--img_size", "[20,36]"],  # 45 tokens per sample: zero-padded weight-gradient GEMMs
-    ["--enable_jit", "true", "--fp8_recipe", "rowwise"],
+@pytest.mark.parametrize("name", [
+    pytest.param("fp8-aligned", marks=pytest.mark.runs("fp8-aligned")),
+    pytest.param("fp8-padded", marks=pytest.mark.runs("fp8-padded")),
+    pytest.param("fp8-compiled-rowwise", marks=pytest.mark.runs("fp8-compiled-rowwise")),
 ], ids=["aligned", "padded", "compiled-rowwise"])
-def test_fp8_trains_on_hopper(tiny_data, tmp_path, args):
+def test_fp8_trains_on_hopper(train_run, name):
     pytest.importorskip("torchao")
-    proc = _train_cli(tmp_path, tiny_data, "--amp_mode", "fp8", *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert math.isfinite(_last_record(tmp_path, 1)["loss/train"])
+    done = train_run(name)
+    assert done.ok(), done.failure()
+    assert math.isfinite(done.last_record()["loss/train"])
 
 
 @pytest.mark.skipif(not _hopper() or torch.cuda.device_count() < 2, reason="needs 2 Hopper or newer GPUs")
-def test_fp8_with_float8_all_gather_trains_on_two_gpus(tiny_data, tmp_path):
+@pytest.mark.runs("fp8-fsdp")
+def test_fp8_with_float8_all_gather_trains_on_two_gpus(train_run):
     """FSDP's float8 all-gather over NCCL, with the scales precomputed after each step."""
-    import sys
-    from tests.dist_utils import free_port
     pytest.importorskip("torchao")
-    proc = _train_cli(tmp_path, tiny_data, "--amp_mode", "fp8", "--fsdp", "zero3", "--global_batch_size", "8",
-                      launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                f"--master_port={free_port()}"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert math.isfinite(_last_record(tmp_path, 2)["loss/train"])
+    done = train_run("fp8-fsdp")
+    assert done.ok(), done.failure()
+    assert math.isfinite(done.last_record()["loss/train"])
 
 
 def test_checkpoint_host_buffers_are_page_locked_and_hold_the_state():
@@ -255,7 +248,7 @@ def profile(tmp_path, model, stacks: str = "python", steps: int = 3) -> dict:
     profiler = MemoryProfiler(cfg, tmp_path, world, model, optimizer, 3)
     try:
         for step in range(steps):
-            with profiler.step(0, step):
+            with profiler.step(cfg.memory_profile_epoch, step):
                 for _ in range(2):
                     x = torch.randn(3, 2, 8, 16, device="cuda")
                     (model(x) - x).pow(2).mean().backward()
@@ -269,7 +262,7 @@ def profile(tmp_path, model, stacks: str = "python", steps: int = 3) -> dict:
 def test_snapshots_load_with_pytorch_tools_and_stats_have_cuda_keys(tmp_path):
     summary = profile(tmp_path, tiny_vit())
     names = summary["files"]["snapshots"]
-    assert names == [f"snapshot_e0_s{s}_{w}.pickle" for s in (1, 2) for w in ("start", "end")]
+    assert names == [f"snapshot_e1_s{s}_{w}.pickle" for s in (1, 2) for w in ("start", "end")]
     for name in names:
         with open(tmp_path / "rank0" / name, "rb") as f:
             snapshot = pickle.load(f)
@@ -288,7 +281,7 @@ def test_snapshots_load_with_pytorch_tools_and_stats_have_cuda_keys(tmp_path):
 
 def test_history_is_recorded_only_in_the_window_and_without_stacks_on_request(tmp_path):
     profile(tmp_path, tiny_vit(), stacks="none")
-    with open(tmp_path / "rank0" / "snapshot_e0_s2_end.pickle", "rb") as f:
+    with open(tmp_path / "rank0" / "snapshot_e1_s2_end.pickle", "rb") as f:
         snapshot = pickle.load(f)
     events = [e for trace in snapshot["device_traces"] for e in trace]
     assert events and not any(e.get("frames") for e in events)  # context=None: no frames

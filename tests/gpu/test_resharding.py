@@ -13,10 +13,12 @@ import os
 import pytest
 import torch
 
+from tests.gpu.background import Run
 from tests.jobs import metrics, run_path, run_record, start_job
 
 DEVICES = [
-    pytest.param("GPU", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")),
+    pytest.param("GPU", marks=[pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+                               pytest.mark.runs("GPU")]),
     pytest.param("CPU", marks=pytest.mark.skipif(
         torch.cuda.is_available() or os.environ.get("RESHARDING_ON_CPU") != "1",
         reason="the CPU twin runs only with RESHARDING_ON_CPU=1 and no GPU visible")),
@@ -40,14 +42,14 @@ def finish(procs) -> None:
     assert [p.returncode for p in procs] == [0] * len(procs), outputs[0][0][-3000:] + outputs[0][1][-3000:]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_zero3_checkpoint_of_two_ranks_resumes_on_one_rank_and_on_tp2(tiny_data, tmp_path, device):
+def reshard(tmp_path, tiny_data, device: str = "GPU") -> None:
+    """Train with ZeRO-3 on 2 ranks, resume its step-10 checkpoint on 1 rank and on 2 with tp 2, compare."""
     # fresh interpreters (not tests/forked.py's fork server): each rank initializes CUDA itself
     whole = tmp_path / "whole"
     finish(start_job(whole, tiny_data, ["--fsdp", "zero3", "--keep_checkpoints", "5"], 2))
     reference = run_path(whole, 2, device=device)
     checkpoint = reference / "checkpoints" / "step_00000010"  # mid-epoch 2 (8 steps per epoch)
-    assert run_record(reference)["mesh"] == {"dp": 2, "cp": 1, "tp": 1}
+    assert run_record(reference)["mesh"] == {"dp": 2, "ens": 1, "cp": 1, "tp": 1}
     layouts = {"one_rank": (1, [], 1), "tp2": (2, ["--tensor_parallel", "2"], 2)}  # ranks, arguments, tp
     jobs = {name: start_job(tmp_path / name, tiny_data, ["--resume", str(checkpoint), *args], ranks)
             for name, (ranks, args, _) in layouts.items()}  # side by side: rank 0 of both on the first GPU
@@ -58,9 +60,21 @@ def test_zero3_checkpoint_of_two_ranks_resumes_on_one_rank_and_on_tp2(tiny_data,
     tolerance = TOLERANCE[device]
     for name, (ranks, _, tp) in layouts.items():
         resumed = run_path(tmp_path / name, ranks, device=device)
-        assert run_record(resumed)["mesh"] == {"dp": 1, "cp": 1, "tp": tp}
+        assert run_record(resumed)["mesh"] == {"dp": 1, "ens": 1, "cp": 1, "tp": tp}
         assert "resumed at iteration 10" in (resumed / "out.log").read_text()
         got = metrics(resumed)
         assert [m["iteration"] for m in got] == [16, 24], name
         worst = max(abs(a[k] - b[k]) / b[k] for a, b in zip(got, want) for k in KEYS)
         assert worst <= tolerance, f"{name}: largest relative loss difference {worst:.2e}: {got} vs {want}"
+
+
+# on GPUs the jobs start with the session's other runs (tests/gpu/background.py), beside them
+RUNS = {"GPU": Run(job=reshard, gpus=2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero3_checkpoint_of_two_ranks_resumes_on_one_rank_and_on_tp2(tiny_data, tmp_path, device, request):
+    if device == "GPU":
+        request.getfixturevalue("train_run")("GPU")
+    else:
+        reshard(tmp_path, tiny_data, device)
