@@ -53,7 +53,7 @@ from distributed.mappings import (all_gather_uneven, column_parallel_linear, com
                                   gather_from_sequence_parallel_region, group_rank, group_size, row_parallel_linear,
                                   scatter_to_parallel_region)
 from distributed.ring_attention import ring_attention
-from distributed.sequence_parallel import sequence_parallel_column_linear, sequence_parallel_row_linear
+from distributed.sequence_parallel import CHUNKS, sequence_parallel_column_linear, sequence_parallel_row_linear
 from distributed.world import local_tensor
 
 
@@ -114,7 +114,8 @@ class DistributedMatmul(nn.Module):
     ``seq_shapes`` (sequence parallelism, module docstring): the TP split of the tokens, which are dim 0. A
         column layer takes ``(seq_shapes[r], ..., in)`` and returns all ``(sum(seq_shapes), ..., out_r)``
         (:func:`sequence_parallel_column_linear`); a row layer the reverse, reduce-scattering instead of
-        all-reducing (:func:`sequence_parallel_row_linear`; its bias's gradient summed over TP).
+        all-reducing (:func:`sequence_parallel_row_linear`; its bias's gradient summed over TP). ``seq_chunks``:
+        the pieces their collectives are cut into (``CHUNKS``; 1 under async TP, ``distributed/async_tp.py``).
     Under autocast, input, weight and bias are cast to autocast's dtype first, so the all-reduces carry it.
 
     ``groups``/``unit_size``: the split dimension is ``(groups, units, unit_size)`` and whole units are split
@@ -148,6 +149,7 @@ class DistributedMatmul(nn.Module):
             raise ValueError("seq_shapes (sequence parallelism) excludes gather_output and input_is_parallel=False")
         self.groups = Groups(tp_mesh, cp_group, seq_shapes is not None)
         self.seq_shapes = None if seq_shapes is None else list(seq_shapes)
+        self.seq_chunks = CHUNKS
         self.in_features, self.out_features, self.parallel = in_features, out_features, parallel
         self.gather_output, self.input_is_parallel = gather_output, input_is_parallel
         units = split // (groups * unit_size)
@@ -188,13 +190,14 @@ class DistributedMatmul(nn.Module):
             bias = None if self.bias is None else local_tensor(self.bias).reshape(-1).to(dtype)
             weight = weight.reshape(-1, self.in_features)
             if sp:
-                return sequence_parallel_column_linear(x, weight, bias, self.seq_shapes, tp)
+                return sequence_parallel_column_linear(x, weight, bias, self.seq_shapes, tp, self.seq_chunks)
             y = column_parallel_linear(x, weight, bias, tp)
             return gather_from_parallel_region(y, -1, self.out_shapes, tp) if self.gather_output else y
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, -1, tp)
         weight = weight.reshape(self.out_features, -1)
-        y = sequence_parallel_row_linear(x, weight, self.seq_shapes, tp) if sp else row_parallel_linear(x, weight, tp)
+        y = (sequence_parallel_row_linear(x, weight, self.seq_shapes, tp, self.seq_chunks) if sp
+             else row_parallel_linear(x, weight, tp))
         # the bias in the dtype of y, as F.linear adds it under autocast: an fp32 bias would promote a bf16
         # output (and with it the residual stream of --amp_mode bf16_pure) to fp32
         return y if self.bias is None else y + replicated_param(self.bias, self.groups).to(y.dtype)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from distributed.async_tp import enable_async_tp
 from distributed.ddp import FixedBucketsDDP
 from distributed.simulate import is_simulated
 from distributed.tensor_parallel import apply_tensor_context_parallel
@@ -240,6 +241,8 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
     if world.model_parallel:
         apply_tensor_context_parallel(model, world.meshes["tp"] if world.tp > 1 else None, world.group("cp"),
                                       parallel.sequence_parallel, parallel.cp_attention, precision.attention_backend)
+        if parallel.async_tp:  # before compiling: the linears' one-piece graphs are what inductor's pass fuses
+            enable_async_tp(model, announce=world.is_main)
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
     if precision.amp_mode == "fp8":

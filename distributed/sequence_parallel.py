@@ -30,6 +30,14 @@ therefore be given the same ``shapes`` and ``chunks``. Uneven splits are padded 
 (:func:`distributed.mappings.stack_chunks`). On CPU tensors (gloo) one collective is in flight
 at a time (:func:`_in_flight`), still behind its neighbouring GEMM.
 
+**One piece** (``chunks=1``, the path of ``--async_tp``, ``distributed/async_tp.py``): no manual
+decomposition. Each linear is then one ``all_gather_into_tensor`` along the tokens and its wait feeding the
+GEMM (column forward, row backward's ``dy``) or the GEMM feeding one ``reduce_scatter_tensor`` (row forward,
+column backward's ``dx``), and the column bias is added after the GEMM, not inside it (``addmm``): the graph
+shapes that inductor's micro-pipeline TP finds and decomposes itself, on symmetric memory
+(``torch/_inductor/fx_passes/micro_pipeline_tp.py``: ``find_all_gather_patterns``,
+``find_reduce_scatter_patterns``).
+
 The column-parallel linear keeps its gathered input for the weight gradient, as the replicated input was kept
 without sequence parallelism (Megatron-LM gathers it again in backward instead, to save that memory).
 
@@ -47,9 +55,11 @@ import torch.nn.functional as F
 
 from distributed.mappings import compute_split_shapes, group_rank, group_size, stack_chunks
 
-__all__ = ["region_pieces", "sequence_parallel_column_linear", "sequence_parallel_row_linear"]
+__all__ = ["CHUNKS", "region_pieces", "sequence_parallel_column_linear", "sequence_parallel_row_linear"]
 
 _c10d = torch.ops._c10d_functional  # functional collectives: launched at once, awaited by wait_tensor
+
+CHUNKS = 4  # pieces per rank of the decomposed collectives (module docstring)
 
 
 def region_pieces(shapes: Sequence[int], chunks: int) -> list[list[int]]:
@@ -95,6 +105,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _piece_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pieces: int) -> torch.Tensor:
+    """``x W^T + b``; with one piece the bias is added after the GEMM, so that the all-gather feeds a plain ``mm``
+    (inductor's micro-pipeline TP does not match ``addmm``)."""
+    if pieces > 1 or bias is None:
+        return F.linear(x, weight, bias)
+    return F.linear(x, weight) + bias
+
+
 def _in_flight(x: torch.Tensor, count: int) -> int:
     """How many of a region's ``count`` collectives may be in flight at once. GPU tensors (NCCL): all of them,
     run in order on the communication stream. CPU tensors (gloo, ``distributed/world.py``): one, since gloo
@@ -125,7 +143,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
             totals.append(_finish_all_gather(launched[j], piece))
             if j + depth < len(pieces):
                 launched.append(_start_all_gather(parts[j + depth], pieces[j + depth], group))
-            ys.append(F.linear(totals[-1], weight, bias))  # runs while the next pieces arrive
+            ys.append(_piece_linear(totals[-1], weight, bias, len(pieces)))  # runs while the next pieces arrive
         ctx.save_for_backward(weight, *totals)
         ctx.has_bias, ctx.pieces, ctx.group = bias is not None, pieces, group
         return torch.cat(ys, 0)
@@ -194,7 +212,7 @@ def _pieces(n: int, shapes: Sequence[int], group: dist.ProcessGroup, chunks: int
 
 def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                     shapes: Sequence[int], group: dist.ProcessGroup | None,
-                                    chunks: int = 4) -> torch.Tensor:
+                                    chunks: int = CHUNKS) -> torch.Tensor:
     """Enter a tensor-parallel region from token-split activations.
 
     ``x`` ``(shapes[r], ..., in)``: this rank's tokens (sequence-first); ``weight`` ``(out_r, in)`` and ``bias``
@@ -211,7 +229,7 @@ def sequence_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias:
 
 
 def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, shapes: Sequence[int],
-                                 group: dist.ProcessGroup | None, chunks: int = 4) -> torch.Tensor:
+                                 group: dist.ProcessGroup | None, chunks: int = CHUNKS) -> torch.Tensor:
     """Leave a tensor-parallel region into token-split activations.
 
     ``x`` ``(sum(shapes), ..., in_r)``: every token in the region's piece-major order, this rank's input

@@ -327,8 +327,8 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
     out = ["--out", str(tmp_path / "r.json"), "--gpus_max", "2"]
     assert main(["--suite", "tp", *out], runner=run) == 0
     assert calls == [("mp_tp1_cp1", "--nproc_per_node=2"), ("mp_tp2_cp1", "--nproc_per_node=2"),
-                     ("mp_tp2_cp1_nosp", "--nproc_per_node=2"), ("mp_tp1_cp2", "--nproc_per_node=2"),
-                     ("mp_tp1_cp2_ring", "--nproc_per_node=2")]
+                     ("mp_tp2_cp1_async", "--nproc_per_node=2"), ("mp_tp2_cp1_nosp", "--nproc_per_node=2"),
+                     ("mp_tp1_cp2", "--nproc_per_node=2"), ("mp_tp1_cp2_ring", "--nproc_per_node=2")]
     calls.clear()
     assert main(["--suite", "fsdp", "--only", "mp_zero3_ac,mp_ddp", *out], runner=run) == 0
     assert [name for name, _ in calls] == ["mp_ddp", "mp_zero3_ac"]  # the suite's order

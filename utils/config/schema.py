@@ -176,6 +176,10 @@ class ParallelConfig:
                                          "GEMMs too, so LayerNorms, residual adds and their activations take 1/tp "
                                          "(Megatron-LM sequence parallelism; the same checkpoints): less memory, "
                                          "a little slower at mp (docs/parallelism.md)")
+    async_tp: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled, on CUDA: torch's asynchronous "
+                                "tensor parallel (inductor's micro-pipeline TP on symmetric memory) decomposes each "
+                                "all-gather + GEMM and GEMM + reduce-scatter instead of our chunked collectives; "
+                                "tokens must split evenly over tp (docs/parallelism.md)")
     cp_attention: Literal["all_gather", "ring"] = key(
         "all_gather", "context_parallel > 1: how attention reaches the other ranks' keys/values: all_gather them "
                       "first, or ring: pass them around the ranks behind the attention of the chunk in hand "

@@ -259,6 +259,39 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
         if cfg.precision.amp_mode == "fp16":
             raise UserError("--fsdp_cpu_offload cannot unscale fp16 gradients on the host; "
                             "use --amp_mode bf16 (no GradScaler needed)")
+    if par.async_tp:
+        _check_async_tp(cfg, launch)
+
+
+def _check_async_tp(cfg: Config, launch: Launch) -> None:
+    """``--async_tp`` (``distributed/async_tp.py``): inductor's pass on the even, one-piece collectives of
+    sequence parallelism, with NCCL and symmetric memory."""
+    par = cfg.parallel
+    tp, cp = par.tensor_parallel, par.context_parallel
+    if tp == 1:
+        raise UserError("--async_tp has no effect without tensor parallelism; add --tensor_parallel 2 (or more) "
+                        "--sequence_parallel true, or drop --async_tp")
+    if not par.sequence_parallel:
+        raise UserError("--async_tp decomposes the collectives of sequence parallelism; add --sequence_parallel true "
+                        "or drop --async_tp")
+    if not cfg.precision.enable_jit:
+        raise UserError("--async_tp is a pass of torch.compile's inductor; add --enable_jit true or drop --async_tp")
+    if par.simulate_world_size:
+        raise UserError("--async_tp needs the job's real peers for its symmetric memory; plan with "
+                        "--simulate_world_size without --async_tp")
+    if not launch.cuda:
+        raise UserError("--async_tp needs CUDA GPUs (NCCL, symmetric memory) and none is visible; drop --async_tp "
+                        "on CPU")
+    h, w = cfg.data.img_size
+    tokens = (h // cfg.model.patch_size) * (w // cfg.model.patch_size)
+    per_cp = -(-tokens // cp)  # compute_split_shapes (distributed/mappings.py): ceil(n / cp), the last ranks fewer
+    counts = {max(0, min(per_cp, tokens - i * per_cp)) for i in range(cp)}
+    uneven = sorted(n for n in counts if n % tp)
+    if uneven:
+        raise UserError(f"--async_tp needs each context-parallel rank's {uneven[0]} tokens to split evenly over "
+                        f"--tensor_parallel {tp} (no padding between a collective and its GEMM); pick an img_size "
+                        f"and patch_size whose token count per context-parallel rank is a multiple of {tp}, or "
+                        "drop --async_tp")
 
 
 def _check_ensemble(cfg: Config, launch: Launch) -> None:
