@@ -13,7 +13,8 @@ working copy of the repository (symlinks to its code and configs, a copy of the 
 
 A ```text block after ``<!-- output -->`` quotes the output of the ```bash block just above it; after
 ``<!-- output of: COMMAND -->``, that of the page's earlier command COMMAND. Every line it quotes must be a
-line of that output, in order (:func:`compare_quoted`), compared as far as it is the same on every machine:
+line of that output, in order, the first one its first line unless the quote opens with ``...``
+(:func:`compare_quoted`), compared as far as it is the same on every machine:
 every word (file names, integers: counts, lead times) exactly; every number with a decimal point or an exponent
 to a relative tolerance of :data:`RTOL` (3 %), each number on its own (``|a - b| <= RTOL * max(|a|, |b|)``);
 and the values that differ from run to run not at all (:data:`VOLATILE`: timestamps, durations, throughput,
@@ -197,13 +198,16 @@ def numbers_agree(quoted: str, printed: str, rtol: float = RTOL) -> bool:
 def compare_quoted(quote: Quote, produced: str, rtol: float = RTOL) -> str | None:
     """Why ``quote`` is not ``produced`` (its lines in order, as the module docstring says), or None."""
     have = normalized(produced.splitlines())
-    at = 0
+    at = next((i for i, line in enumerate(have) if line), 0)
+    first = True  # a quote that does not open with "..." opens with the output's first line
     for raw, want in zip(quote.lines, normalized(quote.lines)):
+        if want == "...":
+            first = False
         if want in ("", "..."):
             continue
         pattern, numbers = line_pattern(want)
         match, near = None, None
-        for i in range(at, len(have)):
+        for i in range(at, at + 1 if first else len(have)):
             found = pattern.fullmatch(have[i])
             if not found:
                 continue
@@ -212,12 +216,16 @@ def compare_quoted(quote: Quote, produced: str, rtol: float = RTOL) -> str | Non
                 match = i
                 break
             near = near or (i, off)
+        if match is None and first and near is None:
+            shown = have[at] if at < len(have) else "(nothing)"
+            return f"{quote.page}:{quote.line}: the quote opens with {raw.strip()!r}, but the output with {shown!r}: " \
+                "quote the first line too, or open the quote with a line '...'"
         if match is None:
             why = "" if near is None else f"; its line {near[0]} has its words, but " + ", ".join(
                 f"{p} for {q}" for q, p in near[1]) + f" (beyond the relative tolerance {rtol:g})"
             return f"{quote.page}:{quote.line}: the quoted line {raw.strip()!r} is not in the output (after line " \
                 f"{at} of it){why}"
-        at = match + 1
+        at, first = match + 1, False
     return None
 
 
@@ -361,6 +369,10 @@ def test_quoted_output_is_compared():
     assert compare_quoted(quote, produced.replace("120 initial", "121 initial")) is not None
     assert compare_quoted(quote, produced.replace("epoch 13/13", "epoch 12/13")) is not None
     assert compare_quoted(quote, produced.replace("skill over", "skill at")) is not None
+    # the output's first line left out of a quote that does not open with "..." (#45 item 17)
+    problem = compare_quoted(quote, "model: tiny/1CPU/00 at step 800\n" + produced)
+    assert problem and "the output with 'model: tiny/1CPU/00 at step 800'" in problem, problem
+    assert compare_quoted(Quote("p", 1, [0], ["...", *quote.lines]), "model: tiny/1CPU/00\n" + produced) is None
     table = ["run lr samples/s MFU GiB retries loss", "00 0.002 9.9 - 0.51 - 0.07792"]
     assert compare_quoted(Quote("p", 1, [0], table), "run lr samples/s MFU GiB retries loss\n"
                                                       "00 0.002 12.5 - 0.47 - 0.07792\n") is None
