@@ -197,6 +197,19 @@ def test_metrics_of_a_resumed_run_survive_a_torn_line(tmp_path):
     assert path.read_text() == json.dumps({"iteration": 8}) + "\n"
 
 
+def test_a_resumed_run_of_epochs_counted_from_0_goes_on_counting_from_1(tmp_path):
+    """Records written when metrics.jsonl counted epochs from 0 are renumbered when the run resumes: the epochs
+    appended next count from 1 (#45 item 20), and the file keeps one numbering."""
+    from training.monitor.reporter import Reporter
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"epoch": e, "iteration": 8 * (e + 1)}) + "\n" for e in range(3)))
+    reporter = Reporter.__new__(Reporter)
+    reporter.run_dir = tmp_path
+    reporter._truncate_metrics(16)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"epoch": 1, "iteration": 8},
+                                                                           {"epoch": 2, "iteration": 16}]
+
+
 @pytest.mark.parametrize("planted_at", ["a.h5.part", "a.h5"])
 def test_dataset_files_never_write_through_a_planted_link(tmp_path, planted_at):
     """The HDF5 writers create their temporary file exclusively (a planted link is removed, not followed) and

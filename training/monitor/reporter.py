@@ -165,8 +165,9 @@ class Reporter(Component):
         as the metrics the HParams tab shows).
 
         A run resumed at ``state.resumed_step`` keeps its first start time, lists each resume in
-        ``run.json``, drops the epochs after that step from ``metrics.jsonl`` and has TensorBoard
-        purge its events from that step on, so no point appears twice.
+        ``run.json``, drops the epochs after that step from ``metrics.jsonl`` (renumbering from 1 the records of a
+        version that counted epochs from 0) and has TensorBoard purge its events from that step on, so no point
+        appears twice.
         """
         self.t0, self.elapsed_before = time.perf_counter(), state.elapsed_s
         if self.run_dir is None:
@@ -203,6 +204,8 @@ class Reporter(Component):
         try:
             records = read_jsonl(path)
             kept = [r for _, r in records if int(r["iteration"]) <= step]
+            if any(r.get("epoch") == 0 for r in kept):  # written when epochs counted from 0: one numbering
+                kept = [{**r, "epoch": int(r["epoch"]) + 1} for r in kept]
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"{path} is damaged ({type(exc).__name__}: {exc}); move it away to resume without "
                             "the earlier epochs' records") from None
