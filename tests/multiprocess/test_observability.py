@@ -67,10 +67,10 @@ def test_memory_report_is_the_maximum_over_ranks_with_its_rank():
 
 def test_profiler_window_starts_and_stops_at_the_configured_steps(monkeypatch, caplog):
     monkeypatch.setenv("ENABLE_PROFILING", "1")
-    """Epochs counted from 1 (``--profile_epoch 2``: the console's ``epoch 2``, the state's second epoch)."""
+    """Epochs counted from 1 (``--profile_epoch 2``: the console's ``epoch 2``, the state's second and last one)."""
     window = ProfilerWindow(epoch=2, start_step=2, steps=3, rank=0)
     with caplog.at_level(logging.INFO, logger="training.monitor.profiling"):
-        for epoch in range(3):
+        for epoch in range(2):
             for step in range(8):
                 window.step_start(TrainState(epoch=epoch, epoch_step=step))
             window.epoch_end(TrainState(epoch=epoch + 1), {"epoch": epoch + 1})
