@@ -1,11 +1,13 @@
 r"""Regression guard: rerun the headline measurements on this GPU and compare them with its stored reference.
 
-Run by hand on one GPU (two for ``tp``), never in CI (it times real training). With data of the real shape:
+Run by hand on one GPU (two for ``tp``, ``tp_async`` and ``cp``, two or more for ``scaling``), never in CI (it times
+real training). With data of the real shape:
 
     python -m tools.make_synthetic_data --out /tmp/full --channels 20 --img_size 360 720 --train_years 4 \
         --valid_years 1 --steps_per_year 140 --workers 16 --overwrite
     python benchmarks/check.py --data_path /tmp/full --out $OUT/h100_check.json
-    python benchmarks/check.py --only tp --out $OUT/h100_check_tp.json   # on 2 GPUs; no data needed
+    python benchmarks/check.py --only tp tp_async cp --out $OUT/h100_check_tp.json   # on 2 GPUs; no data needed
+    python benchmarks/check.py --data_path /tmp/full --only scaling --out $OUT/h100x2_check_scaling.json  # 2+ GPUs
 
 The measurements (``--only`` picks some), each a ``train.py`` run of two epochs of ``--config`` (default
 ``short_opt``; its second epoch is reported) or, for the checkpoint stall, ``benchmarks/checkpoint.py``:
@@ -14,10 +16,28 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
 * ``e2e``: end to end with the native loader (8 workers) on ``--data_path``, in the mode of the highest
   ceiling (the ceiling of the same precision): samples/s and its share of that ceiling;
 * ``fp8``: compute only with ``--amp_mode fp8``: samples/s and the ratio to the highest bf16 ceiling;
+* ``modes``: rollout training (K 2), 3 forcings and the ensemble CRPS (2 members, 4 noise fields), each compute
+  only in the precision of the highest ceiling and compiled as ``--config`` is (``short_opt``: compiled):
+  samples/s (initial states) and the share of that ceiling, the mode's cost;
+* ``fp8_vit2b``: ``vit_2b`` at local batch 4, compute only, in ``bf16_pure`` and in ``fp8`` with the default
+  recipe and with rowwise scaling (fp8 attention on, as by default: head dim 128): each one's samples/s and the
+  fp8 runs' ratio to bf16_pure (the 1.3x goal of round 5);
 * ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind);
 * ``tp``: on 2 GPUs, ``mp`` with DDP and with tp 2 (the variants of ``benchmarks/multi_gpu.py --suite tp
   --gpus_max 2``, run by its runner): both samples/s and tp 2's share of DDP's per-GPU rate (the tensor-parallel
-  overlap of docs/speed.md). With fewer GPUs it is skipped, and says so.
+  overlap of docs/speed.md). With fewer GPUs it is skipped, and says so; so are the next two.
+* ``tp_async``: the same with torch's asynchronous tensor parallelism (``--async_tp true``) and with tp 2 without
+  sequence parallelism: each one's samples/s and share of DDP;
+* ``cp``: cp 2 with the key/value all-gather and with the ring (``--cp_attention ring``): the same;
+* ``scaling``: on every GPU of this machine (2 or more), DDP weak scaling of ``--config``, compute only, in the
+  precision of the highest ceiling, local batch that of one GPU, ``--bucket_cap_mb 200``: samples/s and its
+  share of n x the one-GPU ceiling.
+
+Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``) a failed run is named and
+the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The DDP run of
+``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. None of ``modes``, ``fp8_vit2b``,
+``tp_async``, ``cp`` and ``scaling`` has a stored reference yet: their first run on a kind of GPU reports them
+as new.
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
@@ -44,11 +64,24 @@ from benchmarks import multi_gpu  # noqa: E402
 from benchmarks.common import ROOT, Results, run_variant, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
 
-MEASUREMENTS = ("ceiling", "e2e", "fp8", "checkpoint", "tp")
-NEEDS_DATA = ("ceiling", "e2e", "fp8", "checkpoint")  # tp runs multi_gpu.py's synthetic batches
+MEASUREMENTS = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "tp", "tp_async", "cp", "scaling")
+# tp, tp_async and cp run multi_gpu.py's synthetic batches
+NEEDS_DATA = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "scaling")
 TP_GPUS = 2
 TP_METRICS = {"mp_tp1_cp1": "mp DDP 2 GPUs samples/s", "mp_tp2_cp1": "mp tp 2 samples/s"}  # multi_gpu.py's names
 TP_SHARE = "mp tp 2 / DDP per GPU"
+DDP_VARIANT = "mp_tp1_cp1"
+# the two-GPU measurements: multi_gpu.py --suite tp variants (besides DDP) -> the label of their metrics
+TWO_GPU = {"tp": {"mp_tp2_cp1": "mp tp 2"},
+           "tp_async": {"mp_tp2_cp1_async": "mp tp 2 async", "mp_tp2_cp1_nosp": "mp tp 2 without sp"},
+           "cp": {"mp_tp1_cp2": "mp cp 2", "mp_tp1_cp2_ring": "mp cp 2 ring"}}
+# the training modes' extra train.py arguments (measurement modes), by the label of their metrics
+MODES = {"rollout K2": ["--train_rollout_steps", "2"],
+         "forcings 3": ["--forcings", "[cos_solar_zenith_angle,sin_local_time,cos_local_time]"],
+         "ensemble crps M2": ["--noise_channels", "4", "--loss", "crps", "--ensemble_members", "2"]}
+VIT2B_BATCH, VIT2B_STEPS = 4, 8  # local batch and steps per epoch of fp8_vit2b
+VIT2B_FP8 = {"fp8": [], "fp8 rowwise": ["--fp8_recipe", "rowwise"]}  # fp8_vit2b's fp8 runs: extra arguments
+SCALING_BUCKET_MB = "200"  # the measured choice for short on one node (docs/speed.md, round 5)
 SYNTHETIC = ["--data_loader_config", "synthetic"]
 NATIVE = ["--data_loader_config", "pytorch", "--num_data_workers", "8"]
 STALL_SLACK_S = 0.05  # a stall must grow by more than this too: short ones are timer noise
@@ -81,20 +114,52 @@ class Measure:
         self.rows: list[dict] = []
         self.metrics: dict[str, float] = {}
         self.skipped: list[str] = []
+        self.ddp: dict | None = None  # the DDP row of mp on 2 GPUs (tp, tp_async, cp)
 
-    def checked(self, name: str, row: dict) -> dict:
-        """Keep ``row`` (of measurement ``name``); raises UserError when its run failed."""
+    def checked(self, name: str, row: dict, run: str | None = None) -> dict:
+        """Keep ``row`` (of measurement ``name``; of the run named ``run``); raises UserError when its run failed."""
         self.rows.append({"measurement": name, **row})
         if row.get("returncode") != 0 or "samples_per_s" not in row:
-            raise UserError(f"the {row.get('variant', name)} run failed (exit status {row.get('returncode')}; its "
+            raise UserError(f"the {row.get('variant', run or name)} run failed (exit status {row.get('returncode')}; its "
                             f"output is in {self.args.out}): {' '.join(str(row.get('error', '')).split())[-300:]}")
         return row
 
-    def train(self, name: str, args: list[str]) -> dict:
+    def train(self, name: str, args: list[str], config: str | None = None, steps: int | None = None,
+              gpus: int = 1, measurement: str | None = None) -> dict:
+        """Two epochs of ``config`` (default ``--config``; ``steps`` per epoch, default its own) with ``args``, on
+        ``gpus`` GPUs (more than 1: torchrun); the row, kept under ``measurement`` (default ``name``)."""
         a = self.args
-        common = ["--config", a.config, "--data_path", str(Path(a.data_path).absolute()), "--num_iters",
-                  str(2 * a.steps_per_epoch), "--valid_every", "2", "--log_every", "1000"]
-        return self.checked(name, self.run_fn(name, common + args + self.extra, Path(a.expdir).absolute()))
+        common = ["--config", config or a.config, "--data_path", str(Path(a.data_path).absolute()), "--num_iters",
+                  str(2 * (steps or a.steps_per_epoch)), "--valid_every", "2", "--log_every", "1000"]
+        launch = {"launcher": multi_gpu.torchrun(gpus)} if gpus > 1 else {}
+        return self.checked(measurement or name,
+                            self.run_fn(name, common + args + self.extra, Path(a.expdir).absolute(), **launch), name)
+
+    def best_mode(self) -> str:
+        """The precision of the highest ceiling measured (the first of ``--amp_modes`` without one)."""
+        ceilings = self.ceilings()
+        return max(ceilings, key=ceilings.get) if ceilings else self.args.amp_modes[0]
+
+    def each(self, measurement: str, runs: list[Callable[[], None]]) -> None:
+        """Run every one of ``runs`` (a measurement of several runs), going on after a failed one; then raise
+        one UserError naming the failures."""
+        failed = []
+        for run in runs:
+            try:
+                run()
+            except UserError as exc:
+                failed.append(str(exc))
+                print(f"[{measurement}] {exc}", flush=True)
+        if failed:
+            raise UserError("; ".join(failed))
+
+    def skip_below(self, measurement: str, gpus: int) -> bool:
+        """True (and said, and recorded) when this machine has fewer than ``gpus`` GPUs."""
+        if self.gpus >= gpus:
+            return False
+        self.skipped.append(f"{measurement} (it needs {gpus} GPUs, this machine has {self.gpus})")
+        print(f"[{measurement}] skipped: it needs {gpus} GPUs, this machine has {self.gpus}", flush=True)
+        return True
 
     def ceilings(self) -> dict[str, float]:
         return {m: self.metrics[f"ceiling {m} samples/s"] for m in self.args.amp_modes
@@ -107,7 +172,7 @@ class Measure:
 
     def e2e(self) -> None:
         ceilings = self.ceilings()
-        mode = max(ceilings, key=ceilings.get) if ceilings else self.args.amp_modes[0]
+        mode = self.best_mode()
         row = self.train(f"e2e_{mode}", NATIVE + ["--amp_mode", mode])
         self.metrics[f"end to end {mode} samples/s"] = row["samples_per_s"]
         if mode in ceilings:
@@ -120,6 +185,57 @@ class Measure:
         if ceilings:
             self.metrics["fp8 / best bf16 ceiling"] = row["samples_per_s"] / max(ceilings.values())
 
+    def modes(self) -> None:
+        """Each training mode of :data:`MODES`, compute only, in the precision of the highest ceiling: samples/s
+        and the share of that ceiling."""
+        mode = self.best_mode()
+        ceiling = self.ceilings().get(mode)
+
+        def one(label: str, extra: list[str]) -> Callable[[], None]:
+            def run() -> None:
+                row = self.train(f"mode_{label.replace(' ', '_')}", SYNTHETIC + ["--amp_mode", mode, *extra],
+                                 measurement="modes")
+                self.metrics[f"{label} samples/s"] = row["samples_per_s"]
+                if ceiling:
+                    self.metrics[f"{label} / ceiling"] = row["samples_per_s"] / ceiling
+            return run
+        self.each("modes", [one(label, extra) for label, extra in MODES.items()])
+
+    def fp8_vit2b(self) -> None:
+        """``vit_2b`` at local batch :data:`VIT2B_BATCH`, compute only: bf16_pure, then each fp8 recipe of
+        :data:`VIT2B_FP8`: samples/s and each one's ratio to bf16_pure."""
+        shape = ["--local_batch_size", str(VIT2B_BATCH), "--limit_nsamples", str(VIT2B_BATCH * VIT2B_STEPS)]
+
+        def train(label: str, args: list[str]) -> float:
+            row = self.train(f"vit2b_{label.replace(' ', '_')}", SYNTHETIC + shape + args, config="vit_2b",
+                             steps=VIT2B_STEPS, measurement="fp8_vit2b")
+            self.metrics[f"vit_2b {label} samples/s"] = row["samples_per_s"]
+            return row["samples_per_s"]
+        bf16 = train("bf16_pure", ["--amp_mode", "bf16_pure"])
+
+        def one(label: str, args: list[str]) -> Callable[[], None]:
+            def run() -> None:
+                self.metrics[f"vit_2b {label} / bf16_pure"] = train(label, ["--amp_mode", "fp8", *args]) / bf16
+            return run
+        self.each("fp8_vit2b", [one(label, args) for label, args in VIT2B_FP8.items()])
+
+    def scaling(self) -> None:
+        """DDP on every GPU of this machine (2 or more), the one-GPU ceiling's run per GPU: samples/s and its
+        share of n x that ceiling (measured here first when ``ceiling`` did not run)."""
+        n = self.gpus
+        if self.skip_below("scaling", 2):
+            return
+        mode = self.best_mode()
+        if mode not in self.ceilings():
+            self.metrics[f"ceiling {mode} samples/s"] = self.train(f"ceiling_{mode}", SYNTHETIC + [
+                "--amp_mode", mode], measurement="scaling")["samples_per_s"]
+        a = self.args
+        row = self.train(f"scaling_{n}gpu", SYNTHETIC + [
+            "--amp_mode", mode, "--bucket_cap_mb", SCALING_BUCKET_MB, "--local_batch_size", str(a.global_batch),
+            "--limit_nsamples", str(n * a.global_batch * a.steps_per_epoch)], gpus=n, measurement="scaling")
+        self.metrics[f"DDP {n} GPUs samples/s"] = row["samples_per_s"]
+        self.metrics[f"DDP {n} GPUs / {n} x ceiling"] = row["samples_per_s"] / (n * self.ceilings()[mode])
+
     def checkpoint(self) -> None:
         a = self.args
         args = ["--config", a.config, *SYNTHETIC, "--amp_mode", a.amp_modes[0], *self.extra]
@@ -131,23 +247,41 @@ class Measure:
             self.metrics[metric] = rows[what]["stall_s"]
 
 
-    def tp(self) -> None:
-        """``mp`` with DDP and with tp 2 on 2 GPUs, as ``multi_gpu.py --suite tp --gpus_max 2`` runs them (its
-        variants and runner): samples/s of each and tp 2's share of DDP's per-GPU rate."""
-        if self.gpus < TP_GPUS:
-            self.skipped.append(f"tp (it needs {TP_GPUS} GPUs, this machine has {self.gpus})")
-            print(f"[tp] skipped: it needs {TP_GPUS} GPUs, this machine has {self.gpus}", flush=True)
+    def two_gpu(self, measurement: str) -> None:
+        """``mp`` with DDP and with the variants of :data:`TWO_GPU` ``[measurement]`` on 2 GPUs, as ``multi_gpu.py
+        --suite tp --gpus_max 2`` runs them (its variants and runner): each one's samples/s and share of DDP's
+        per-GPU rate. The DDP run is shared by the measurements of one invocation."""
+        if self.skip_below(measurement, TP_GPUS):
             return
         suite = argparse.Namespace(suite="tp", gpus_max=TP_GPUS, config="", steps=16, epochs=2, data_path="",
                                    entry="train.py", extra=" ".join(self.extra),
                                    expdir=str(Path(self.args.expdir).absolute() / "tp"))
-        rows: list[dict] = []
-        for name, n, args in multi_gpu.tp(suite):
-            if name in TP_METRICS:
-                row = multi_gpu.run(suite, rows, name, n, args, multi_gpu.validation_every(suite), self.run_fn)
-                self.metrics[TP_METRICS[name]] = self.checked("tp", row)["samples_per_s"]
-        ddp, tp2 = rows
-        self.metrics[TP_SHARE] = tp2["per_gpu"] / ddp["per_gpu"]
+        variants = {name: (n, args) for name, n, args in multi_gpu.tp(suite)}
+
+        def measure(name: str) -> dict:
+            n, args = variants[name]
+            return self.checked(measurement, multi_gpu.run(suite, [], name, n, args, multi_gpu.validation_every(suite),
+                                                           self.run_fn))
+        if self.ddp is None:
+            self.ddp = measure(DDP_VARIANT)
+            self.metrics[TP_METRICS[DDP_VARIANT]] = self.ddp["samples_per_s"]
+
+        def one(name: str, label: str) -> Callable[[], None]:
+            def run() -> None:
+                row = measure(name)
+                self.metrics[f"{label} samples/s"] = row["samples_per_s"]
+                self.metrics[f"{label} / DDP per GPU"] = row["per_gpu"] / self.ddp["per_gpu"]
+            return run
+        self.each(measurement, [one(name, label) for name, label in TWO_GPU[measurement].items()])
+
+    def tp(self) -> None:
+        self.two_gpu("tp")
+
+    def tp_async(self) -> None:
+        self.two_gpu("tp_async")
+
+    def cp(self) -> None:
+        self.two_gpu("cp")
 
 
 def run_checkpoint_benchmark(args: list[str], folder: Path) -> list[dict]:
@@ -230,15 +364,15 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def steps_per_epoch(config: str, extra: list[str]) -> int:
-    """Optimizer steps of one epoch of ``config`` with ``extra`` (the runs' epoch length).
+def steps_per_epoch(config: str, extra: list[str]) -> tuple[int, int]:
+    """Optimizer steps of one epoch of ``config`` with ``extra`` (the runs' epoch length), and its global batch.
 
     Raises:
         UserError: a bad config name, key or value.
     """
     from utils.config.loading import DEFAULT_YAML, load_config, parse_overrides
     cfg = load_config(DEFAULT_YAML, config, parse_overrides(extra))
-    return max(1, (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size)
+    return max(1, (cfg.data.limit_nsamples or 512) // cfg.optim.global_batch_size), cfg.optim.global_batch_size
 
 
 def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | None = None,
@@ -252,7 +386,7 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
         raise UserError(f"{', '.join(needs_data)} need --data_path (data of the real shape; see --help)")
     if needs_data and not Path(args.data_path).is_dir():
         raise UserError(f"--data_path {args.data_path} is not a folder; generate data first (see --help)")
-    args.steps_per_epoch = steps_per_epoch(args.config, extra)
+    args.steps_per_epoch, args.global_batch = steps_per_epoch(args.config, extra)
     device = device_name()
     ref_path = Path(args.reference or ROOT / "benchmarks" / "results" / f"{gpu_slug(device)}_check.json")
     reference = read_reference(ref_path, device)  # before any run: a wrong reference wastes no GPU time
@@ -261,7 +395,7 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
                       amp_modes=args.amp_modes, reference_path=str(ref_path), metrics=measure.metrics)
     failed = []
     try:
-        for name in MEASUREMENTS:  # in this order: e2e and fp8 use the ceilings
+        for name in MEASUREMENTS:  # in this order: e2e, fp8, modes and scaling use the ceilings
             if name in args.only:
                 try:
                     getattr(measure, name)()

@@ -180,7 +180,8 @@ def test_check_compares_with_the_reference_and_names_what_regressed(tiny_data, t
         "sync save stall s": 0.2, "async save stall s": 0.08}}))
     out = tmp_path / "check.json"
     regressed = main(["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(reference), "--out",
-                      str(out), "--", "--enable_jit", "false"], run=run, checkpoint=checkpoint, gpus=1)
+                      str(out), "--only", "ceiling", "e2e", "fp8", "checkpoint", "--", "--enable_jit", "false"],
+                     run=run, checkpoint=checkpoint, gpus=1)
     assert regressed
     assert [name for name, _ in calls] == ["ceiling_bf16", "ceiling_bf16_pure", "e2e_bf16_pure", "fp8", "checkpoint"]
     for name, args in calls[:4]:  # two epochs of 64 steps (512 samples at global batch 8), the extra arguments last
@@ -261,7 +262,8 @@ def test_check_goes_on_after_a_failed_run_and_names_it(tiny_data, tmp_path):
     with pytest.raises(UserError, match=r"1 measurement\(s\) failed: fp8 \(the fp8 run failed \(exit status 2;.*"
                                         r"needs torchao\)"):
         main(["--data_path", str(tiny_data), "--config", "tiny", "--amp_modes", "bf16", "--reference",
-              str(tmp_path / "none.json"), "--out", str(out)], run=failing_fp8, checkpoint=checkpoint, gpus=1)
+              str(tmp_path / "none.json"), "--out", str(out), "--only", "ceiling", "e2e", "fp8", "checkpoint"],
+             run=failing_fp8, checkpoint=checkpoint, gpus=1)
     saved = json.loads(out.read_text())
     assert set(saved["metrics"]) == {"ceiling bf16 samples/s", "end to end bf16 samples/s", "end to end bf16 / ceiling",
                                      "sync save stall s", "async save stall s"}
@@ -306,11 +308,93 @@ def test_check_tp_compares_tp2s_share_of_ddp_on_two_gpus(tmp_path, capsys):
     assert stored["metrics"][TP_SHARE] == pytest.approx(0.799, abs=5e-4)
 
 
+def test_check_modes_and_fp8_vit2b_give_each_cost_row(tiny_data, tmp_path):
+    """--only modes: rollout, forcings and ensemble runs, compute only in the highest ceiling's precision, each
+    with its share of that ceiling; a failed mode is named and the others still run. --only fp8_vit2b: vit_2b at
+    local batch 4 in bf16_pure and in fp8 (default and rowwise recipes), each fp8 run's ratio to bf16_pure."""
+    from benchmarks.check import MODES, VIT2B_FP8, main
+    from utils.core.errors import UserError
+    speeds = {"ceiling_bf16": 100.0, "ceiling_bf16_pure": 120.0, "mode_rollout_K2": 60.0,
+              "mode_forcings_3": 118.0, "mode_ensemble_crps_M2": 55.0,
+              "vit2b_bf16_pure": 7.0, "vit2b_fp8": 8.4, "vit2b_fp8_rowwise": 9.1}
+    calls, run, checkpoint = fake_check_runs(speeds, (0, 0))
+    common = ["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(tmp_path / "none.json")]
+    out = tmp_path / "check.json"
+    assert not main([*common, "--out", str(out), "--only", "ceiling", "modes", "fp8_vit2b"], run=run, gpus=1)
+    assert [c[0] for c in calls] == list(speeds)  # in this order
+    for name, args in calls[2:5]:  # the modes: synthetic, in bf16_pure (the highest ceiling), their own arguments
+        label = name[len("mode_"):].replace("_", " ")
+        assert " ".join(["--data_loader_config", "synthetic", "--amp_mode", "bf16_pure", *MODES[label]]) in " ".join(args)
+    for name, args in calls[5:]:
+        joined = " ".join(args)
+        assert joined.startswith("--config vit_2b") and "--local_batch_size 4 --limit_nsamples 32" in joined
+        assert args[args.index("--num_iters") + 1] == "16"
+    assert "--fp8_recipe rowwise" in " ".join(calls[7][1]) and set(VIT2B_FP8) == {"fp8", "fp8 rowwise"}
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["rollout K2 / ceiling"] == pytest.approx(0.5)
+    assert metrics["ensemble crps M2 / ceiling"] == pytest.approx(55 / 120)
+    assert metrics["forcings 3 samples/s"] == 118.0
+    assert metrics["vit_2b fp8 / bf16_pure"] == pytest.approx(1.2)
+    assert metrics["vit_2b fp8 rowwise / bf16_pure"] == pytest.approx(1.3)
+    # a failed mode: the others run, the failure is named
+    calls.clear()
+
+    def failing_rollout(name, args, expdir, **launch):
+        return {"returncode": 1, "error": "boom"} if name == "mode_rollout_K2" else run(name, args, expdir, **launch)
+    with pytest.raises(UserError, match=r"1 measurement\(s\) failed: modes \(the mode_rollout_K2 run failed"):
+        main([*common, "--out", str(out), "--only", "modes", "--amp_modes", "bf16"], run=failing_rollout, gpus=1)
+    assert [c[0] for c in calls] == ["mode_forcings_3", "mode_ensemble_crps_M2"]
+    metrics = json.loads(out.read_text())["metrics"]
+    assert "rollout K2 samples/s" not in metrics and "forcings 3 / ceiling" not in metrics  # no ceiling this time
+
+
+def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_data, tmp_path, capsys):
+    """--only tp tp_async cp: one DDP run of mp, then tp 2, async tp, tp 2 without sequence parallelism, cp 2 with
+    the all-gather and with the ring, each with its share of DDP. --only scaling on 4 GPUs: the one-GPU ceiling,
+    then DDP on 4 at the same local batch with 200 MiB buckets, and its share of 4 x the ceiling."""
+    from benchmarks.check import TP_SHARE, main
+    speeds = {"mp_tp1_cp1": 140.0, "mp_tp2_cp1": 110.0, "mp_tp2_cp1_async": 126.0, "mp_tp2_cp1_nosp": 112.0,
+              "mp_tp1_cp2": 125.0, "mp_tp1_cp2_ring": 133.0, "ceiling_bf16_pure": 180.0, "scaling_4gpu": 700.0}
+    calls, run, _ = fake_check_runs(speeds, (0, 0))
+    out = tmp_path / "levers.json"
+    common = ["--reference", str(tmp_path / "none.json"), "--expdir", str(tmp_path / "runs"), "--out", str(out)]
+    assert not main([*common, "--only", "tp", "tp_async", "cp"], run=run, gpus=2)
+    assert [c[0] for c in calls] == ["mp_tp1_cp1", "mp_tp2_cp1", "mp_tp2_cp1_async", "mp_tp2_cp1_nosp",
+                                     "mp_tp1_cp2", "mp_tp1_cp2_ring"]
+    assert "--async_tp true" in " ".join(calls[2][1]) and "--cp_attention ring" in " ".join(calls[5][1])
+    assert all(c[2][-1] == "--nproc_per_node=2" for c in calls)
+    saved = json.loads(out.read_text())
+    metrics = saved["metrics"]
+    assert metrics[TP_SHARE] == pytest.approx(110 / 140)
+    assert metrics["mp tp 2 async / DDP per GPU"] == pytest.approx(126 / 140)
+    assert metrics["mp tp 2 without sp / DDP per GPU"] == pytest.approx(112 / 140)
+    assert metrics["mp cp 2 / DDP per GPU"] == pytest.approx(125 / 140)
+    assert metrics["mp cp 2 ring / DDP per GPU"] == pytest.approx(133 / 140)
+    assert [r["measurement"] for r in saved["results"]] == ["tp", "tp", "tp_async", "tp_async", "cp", "cp"]
+    # one GPU: each two-GPU measurement skipped and said
+    calls.clear()
+    assert not main([*common, "--only", "tp_async", "cp"], run=run, gpus=1)
+    assert calls == [] and json.loads(out.read_text())["skipped"] == [
+        "tp_async (it needs 2 GPUs, this machine has 1)", "cp (it needs 2 GPUs, this machine has 1)"]
+    # scaling over 4 GPUs of tiny (global batch 8, 64 steps per epoch)
+    assert not main([*common, "--data_path", str(tiny_data), "--config", "tiny", "--only", "scaling",
+                     "--amp_modes", "bf16_pure"], run=run, gpus=4)
+    assert [c[0] for c in calls] == ["ceiling_bf16_pure", "scaling_4gpu"]
+    name, args, launcher = calls[1]
+    joined = " ".join(args)
+    assert launcher[-1] == "--nproc_per_node=4" and "--bucket_cap_mb 200" in joined
+    assert "--local_batch_size 8 --limit_nsamples 2048" in joined and args[args.index("--num_iters") + 1] == "128"
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["DDP 4 GPUs / 4 x ceiling"] == pytest.approx(700 / 720)
+    assert not main([*common, "--data_path", str(tiny_data), "--config", "tiny", "--only", "scaling"], run=run, gpus=1)
+    assert "[scaling] skipped: it needs 2 GPUs, this machine has 1" in capsys.readouterr().out
+
+
 def test_check_without_data_runs_only_tp(tmp_path):
     from benchmarks.check import main
     from utils.core.errors import UserError
-    with pytest.raises(UserError, match="^ceiling, fp8 need --data_path"):
-        main(["--only", "ceiling", "fp8", "tp", "--out", str(tmp_path / "x.json")], gpus=2)
+    with pytest.raises(UserError, match="^ceiling, fp8, scaling need --data_path"):
+        main(["--only", "ceiling", "fp8", "tp", "scaling", "--out", str(tmp_path / "x.json")], gpus=2)
 
 
 def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
