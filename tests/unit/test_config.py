@@ -539,6 +539,8 @@ A100, H100 = Launch(cuda=True, cuda_capability=(8, 0)), Launch(cuda=True, cuda_c
     ({"fsdp_cpu_offload": "true", "fsdp": "zero3", "amp_mode": "fp16"}, Launch(world_size=2, cuda=True),
      "use --amp_mode bf16"),
     ({"fsdp": "hsdp", "hsdp_shard_size": "3"}, Launch(world_size=4), "--hsdp_shard_size 3 must divide"),
+    ({"context_parallel": "2", "cp_attention": "ring"}, Launch(world_size=2, cuda=True),
+     "--cp_attention ring is tested on CPU only: its first GPU run failed"),
     ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(),
      "--ac_blocks 13 exceeds the model depth 12"),
     ({"run_num": "a/b"}, Launch(), "must be a plain name"),

@@ -261,6 +261,10 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
                             "use --amp_mode bf16 (no GradScaler needed)")
     if par.async_tp:
         _check_async_tp(cfg, launch)
+    if par.cp_attention == "ring" and par.context_parallel > 1 and launch.cuda:
+        # its CUDA kernels failed their first GPU run (docs/speed.md, "Context parallel: ring attention")
+        raise UserError("--cp_attention ring is tested on CPU only: its first GPU run failed (cuDNN rejected the "
+                        "merged log-sum-exp's layout); use --cp_attention all_gather on GPUs")
 
 
 def _check_async_tp(cfg: Config, launch: Launch) -> None:
