@@ -21,6 +21,7 @@ from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_TRAIN = ["--yaml_config", "config/ViT.yaml", "--config", "tiny"]  # the Makefile's train target
+MAKE_TRAIN_300 = [*MAKE_TRAIN, "--num_iters", "300"]  # the same, 300 of tiny's 800 iterations (the suite's time)
 
 
 def train(workdir: Path, data: Path, *args: str, run_args=tuple(RUN)) -> subprocess.Popen:
@@ -111,15 +112,21 @@ def test_a_second_copy_of_a_live_run_is_refused_or_skipped(tiny_data, tmp_path):
 
 def test_make_train_killed_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path):
     """The Makefile's command on its data: SIGKILLed after a random step past the first checkpoint (100),
-    then the same command; then another config, then the same command again, which says the run is complete."""
+    then the same command; then another config, then the same command again, which says the run is complete.
+
+    The command is the Makefile's with ``--num_iters 300`` (``MAKE_TRAIN_300``) rather than tiny's 800, to keep
+    the suite's time: everything else the point rests on is the Makefile's (config, data, warm-up,
+    ``checkpoint_every_steps`` 100, several epochs), and 300 iterations still hold two checkpoints (100, 200)
+    past which the random kill (101..299) can land, a rerun that must resume from the last one and end with the
+    uninterrupted run's state and validation loss, and a finished run that the same command calls complete."""
     from utils.preprocess.synthetic_dataset import make_synthetic_dataset
     data = make_synthetic_dataset(tmp_path / "data", channels=4, img_size=(32, 64), train_years=4,
                                   steps_per_year=128, seed=0)  # the Makefile's data target
-    whole = train(tmp_path / "whole", data, run_args=MAKE_TRAIN)
-    step = random.Random().randint(101, 799)
-    [(status, _, err)] = run_job(tmp_path / "cut", data, [], 1, signal_at=step, run_args=MAKE_TRAIN)
+    whole = train(tmp_path / "whole", data, run_args=MAKE_TRAIN_300)
+    step = random.Random().randint(101, 299)
+    [(status, _, err)] = run_job(tmp_path / "cut", data, [], 1, signal_at=step, run_args=MAKE_TRAIN_300)
     assert status == -signal.SIGKILL, err[-3000:]
-    [(status, out, err)] = run_job(tmp_path / "cut", data, [], 1, run_args=MAKE_TRAIN)
+    [(status, out, err)] = run_job(tmp_path / "cut", data, [], 1, run_args=MAKE_TRAIN_300)
     assert status == 0, err[-3000:]
     run = run_path(tmp_path / "cut", 1)
     assert f"resumed at iteration {step // 100 * 100}" in (run / "out.log").read_text(), step
@@ -130,10 +137,10 @@ def test_make_train_killed_at_a_random_moment_then_rerun_equals_uninterrupted(tm
         return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss/valid"]
     assert final_valid_loss(run) == final_valid_loss(run_path(tmp_path / "whole", 1)), step
     [(status, _, err)] = run_job(tmp_path / "cut", data, ["--num_iters", "16", "--lr", "5e-3"], 1,
-                                 run_args=MAKE_TRAIN)  # another config: a run of its own
+                                 run_args=MAKE_TRAIN_300)  # another config: a run of its own
     assert status == 0 and run_path(tmp_path / "cut", 1, "01").is_dir(), err[-3000:]
-    [(status, out, err)] = run_job(tmp_path / "cut", data, [], 1, run_args=MAKE_TRAIN)
-    assert status == 0 and f"run {run} is complete (800 iterations)" in out, out[-3000:]
+    [(status, out, err)] = run_job(tmp_path / "cut", data, [], 1, run_args=MAKE_TRAIN_300)
+    assert status == 0 and f"run {run} is complete (300 iterations)" in out, out[-3000:]
 
 
 def test_a_continued_run_must_find_the_data_it_started_on(tiny_data, tmp_path, tmp_path_factory):
