@@ -216,12 +216,17 @@ def test_ring_under_tensor_and_sequence_parallelism():
 STEPS = {"num_iters": 3, "global_batch_size": 8, "max_grad_norm": 0.5}
 
 
+@pytest.fixture(scope="module")
+def single(tiny_data, tmp_path_factory):
+    """The one-process run both cases compare with (the same ``STEPS``: trained once)."""
+    return train_checkpoint(tiny_params(tiny_data, tmp_path_factory.mktemp("single"), **STEPS))
+
+
 @pytest.mark.parametrize("overrides", [{}, {"activation_checkpointing": "selective", "ac_every": 0}],
                          ids=["plain", "op-level-checkpointing"])
-def test_cp2_ring_training_matches_single_process(tiny_data, tmp_path, overrides):
+def test_cp2_ring_training_matches_single_process(tiny_data, tmp_path, single, overrides):
     """The op-level checkpointing policy keeps the attention kernels' outputs and recomputes the rest of the
     block, the ring's passes included."""
-    single = train_checkpoint(tiny_params(tiny_data, tmp_path / "single", **STEPS))
     run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "cp2"),
                     {**STEPS, **overrides, "context_parallel": 2, "cp_attention": "ring"})
     ring = torch.load(tmp_path / "cp2" / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt")["model"]
