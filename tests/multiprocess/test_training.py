@@ -61,11 +61,18 @@ def test_after_step_hook_runs_once_per_optimizer_step_after_adam(tmp_path):
     assert seen == [len(list(step.model.parameters()))]
 
 
+DDP_STEPS = {"num_iters": 5, "global_batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def single(tiny_data, tmp_path_factory):
+    """The one-process run both DDP cases compare with (the same ``DDP_STEPS``: trained once)."""
+    return train_checkpoint(tiny_params(tiny_data, tmp_path_factory.mktemp("single"), **DDP_STEPS))
+
+
 @pytest.mark.parametrize("accum", [1, 2])
-def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, accum):
-    overrides = {"num_iters": 5, "global_batch_size": 8}
-    single = train_checkpoint(tiny_params(tiny_data, tmp_path / "single", **overrides))
-    run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "ddp"), {**overrides, "grad_accum_steps": accum})
+def test_ddp_two_ranks_matches_single_process(tiny_data, tmp_path, single, accum):
+    run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "ddp"), {**DDP_STEPS, "grad_accum_steps": accum})
     ddp = torch.load(tmp_path / "ddp" / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt")["model"]
     assert_state_close(single, ddp, atol=1e-5)
 
