@@ -21,12 +21,14 @@ QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--l
 
 
 def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    """``python train.py QUICK ... args`` (forked, ``tests/forked.py``: torch already imported), or on ``ranks``
+    processes under torchrun (a fresh launcher: the records name it)."""
     env = subprocess_env()
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
-    return subprocess.run([*launcher, str(ROOT / "train.py"), *QUICK, "--data_path", str(data),
-                           "--expdir", str(tmp_path / "runs"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    command = [str(ROOT / "train.py"), *QUICK, "--data_path", str(data), "--expdir", str(tmp_path / "runs"), *args]
+    if ranks == 1:
+        return run_forked(command, tmp_path, env, timeout=300)
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    return subprocess.run([*launcher, *command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
