@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import subprocess_env
+from tests.forked import ForkedPopen
 from tests.jobs import RUN, assert_same_state, reference_run, run_job, run_path, with_args
 from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -24,11 +25,17 @@ MAKE_TRAIN = ["--yaml_config", "config/ViT.yaml", "--config", "tiny"]  # the Mak
 MAKE_TRAIN_300 = [*MAKE_TRAIN, "--num_iters", "300"]  # the same, 300 of tiny's 800 iterations (the suite's time)
 
 
-def train(workdir: Path, data: Path, *args: str, run_args=tuple(RUN)) -> subprocess.Popen:
+def train(workdir: Path, data: Path, *args: str, run_args=tuple(RUN), forked: bool = False) -> subprocess.Popen:
+    """``python train.py run_args + args`` in ``workdir``, running: a fresh interpreter, or with ``forked`` one
+    forked from ``tests/forked.py``'s server (torch already imported: seconds of CPU less) for tests that do not
+    signal it during its start-up."""
     workdir.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *with_args([*run_args, "--data_path", str(data),
-                             "--expdir", str(workdir / "runs")], args)], cwd=workdir, env=subprocess_env(),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command = [str(ROOT / "train.py"), *with_args([*run_args, "--data_path", str(data), "--expdir",
+                                                   str(workdir / "runs")], args)]
+    if forked:
+        return ForkedPopen(command, workdir, subprocess_env())
+    return subprocess.Popen([sys.executable, *command], cwd=workdir, env=subprocess_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> None:
@@ -91,15 +98,15 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tiny_data, tmp_path):
 
 
 def test_a_second_copy_of_a_live_run_is_refused_or_skipped(tiny_data, tmp_path):
-    live = train(tmp_path, tiny_data, "--num_iters", "100000")
+    live = train(tmp_path, tiny_data, "--num_iters", "100000", forked=True)
     try:
         wait_for_line(live, "training ")
-        explicit = train(tmp_path, tiny_data, "--num_iters", "100000", "--run_num", "00")
+        explicit = train(tmp_path, tiny_data, "--num_iters", "100000", "--run_num", "00", forked=True)
         _, err = explicit.communicate(timeout=120)
         assert explicit.returncode == 2, err[-3000:]
         assert err.startswith(f"error: run directory {run_path(tmp_path, 1)} is in use by a live run (host ") and \
             f" pid {live.pid})" in err, err[-3000:]
-        auto = train(tmp_path, tiny_data, "--num_iters", "100000")
+        auto = train(tmp_path, tiny_data, "--num_iters", "100000", forked=True)
         wait_for_line(auto, "run 00 (the same settings) is in use by host ")
         auto.kill()
         auto.communicate()
@@ -122,7 +129,7 @@ def test_make_train_killed_at_a_random_moment_then_rerun_equals_uninterrupted(tm
     from utils.preprocess.synthetic_dataset import make_synthetic_dataset
     data = make_synthetic_dataset(tmp_path / "data", channels=4, img_size=(32, 64), train_years=4,
                                   steps_per_year=128, seed=0)  # the Makefile's data target
-    whole = train(tmp_path / "whole", data, run_args=MAKE_TRAIN_300)
+    whole = train(tmp_path / "whole", data, run_args=MAKE_TRAIN_300, forked=True)
     step = random.Random().randint(101, 299)
     [(status, _, err)] = run_job(tmp_path / "cut", data, [], 1, signal_at=step, run_args=MAKE_TRAIN_300)
     assert status == -signal.SIGKILL, err[-3000:]
@@ -151,7 +158,7 @@ def test_a_continued_run_must_find_the_data_it_started_on(tiny_data, tmp_path, t
     assert record["data"] == {"channels": ["u10m", "v10m", "t2m", "sp"], "step_hours": 6.0}, record["data"]
     record["data"]["step_hours"] = 1.0  # as if --data_path now held hourly files
     (run / "run.json").write_text(json.dumps(record))
-    proc = train(tmp_path, tiny_data, "--run_num", "00", "--num_iters", "30")
+    proc = train(tmp_path, tiny_data, "--run_num", "00", "--num_iters", "30", forked=True)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]
     assert err.startswith(f"error: run {run} was trained on data with step_hours 1.0, but the data at {tiny_data} "

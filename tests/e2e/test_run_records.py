@@ -27,7 +27,8 @@ def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1) -> subprocess
     command = [str(ROOT / "train.py"), *QUICK, "--data_path", str(data), "--expdir", str(tmp_path / "runs"), *args]
     if ranks == 1:
         return run_forked(command, tmp_path, env, timeout=300)
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                f"--master_port={free_port()}"]
     return subprocess.run([*launcher, *command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
