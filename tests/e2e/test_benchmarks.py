@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.common import run_variant
 from tests.dist_utils import free_port, subprocess_env
+from tests.forked import Forked, run_forked
 
 
 def test_run_variant_reports_only_its_own_epochs(tiny_data, tmp_path):
@@ -30,11 +31,12 @@ def test_checkpoint_benchmark_measures_every_kind_of_save(tiny_data, tmp_path):
     launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, "benchmarks/checkpoint.py", "--config", "tiny", "--fsdp", "zero3", "--data_path",
            str(tiny_data), "--dir", str(tmp_path / "ckpt"), "--steps", "2", "--async_steps", "2", "--out", str(out)]
-    procs = [subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=subprocess_env(**launch, RANK=str(r), LOCAL_RANK=str(r)))
+    # the two ranks forked (tests/forked.py: torch already imported), each with torchrun's variables
+    procs = [Forked(cmd[1:], Path(__file__).resolve().parents[2], subprocess_env(**launch, RANK=str(r),
+                                                                                 LOCAL_RANK=str(r)))
              for r in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:]
+    outputs = [(done.stdout, done.stderr) for done in (p.wait(300) for p in procs)]
+    assert [p.process.exitcode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     rows = {r["what"]: r for r in json.loads(out.read_text())["results"]}
     assert len(rows) == 12 and all(r["seconds"] > 0 for r in rows.values())
     assert all(rows[f"host buffers of {kind} saves, allocated in the background"]["steps_during_write"] == 2
@@ -281,8 +283,7 @@ def test_profile_step_saves_each_mode_on_cpu(tmp_path):
     cmd = [sys.executable, "benchmarks/profile_step.py", "--config", "tiny", "--data_loader_config", "synthetic",
            "--amp_modes", "none", "bf16_pure", "--warmup_steps", "1", "--steps", "1", "--rows", "5",
            "--out", str(tmp_path), "--expdir", str(tmp_path / "runs")]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300,
-                          env=subprocess_env())
+    proc = run_forked(cmd[1:], Path(__file__).resolve().parents[2], subprocess_env())  # torch already imported
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for mode in ("none", "bf16_pure"):
         saved = json.loads((tmp_path / f"profile_tiny_{mode}.json").read_text())
