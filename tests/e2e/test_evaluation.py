@@ -19,7 +19,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import xarray as xr
 from torch import nn
 
 from tests.dist_utils import launch_entry, subprocess_env
+from tests.forked import run_forked
 from tests.jobs import reference_run
 from utils.data.stats import Stats
 from training.evaluation.scoring import (FORECASTS, Scorecard, SkillSums, format_scorecard, lead_hours, lead_label, rollout, score_rollouts)
@@ -571,7 +571,7 @@ def test_default_batch_size_is_the_runs_local_batch(runs, tmp_path):
              "dl.split_batches = stop\n"
              "from training.evaluation.evaluate_run import main\n"
              f"main(['--run_dir', {str(runs['one_step'])!r}, '--lead_steps', '1'])\n")
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = run_forked(["-c", probe], tmp_path, subprocess_env(), timeout=120)  # torch already imported
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"BATCH (\d+)", proc.stdout).group(1) == "8"
+    batch = re.search(r"BATCH (\d+)", proc.stdout)
+    assert batch and batch.group(1) == "8", proc.stdout[-3000:]
