@@ -59,3 +59,14 @@ def test_a_script_saved_outside_the_repository_imports_the_project_the_documente
         assert done.returncode == 0, done.stderr[-2000:]
         assert Path(done.stdout.strip()) == ROOT / "training" / "evaluation" / "__init__.py"
     assert "No module named 'training'" in run("plain.py", ROOT).stderr
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir-relative ``importmode=prepend``, no ``__init__.py`` in the
+    test folders): two files of one name in different folders stop the whole suite's collection with "import file
+    mismatch" (it happened twice, unit/multiprocess and multiprocess/gpu), so this fails first and names them."""
+    seen: dict[str, list[str]] = {}
+    for f in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(f.name, []).append(f.relative_to(ROOT).as_posix())
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"rename one of each: {clashes}"
