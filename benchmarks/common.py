@@ -34,7 +34,9 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
               "profiler_log": [line for line in proc.stdout.splitlines() if "CUDA profiler" in line]}
     metrics = sorted(expdir.glob(f"*/*/{run_num}/metrics.jsonl"))
     if proc.returncode != 0 or not metrics:
-        result["error"] = proc.stdout[-1500:] + proc.stderr[-1500:]
+        # the ranks' error lines first: torchrun's summary of the failure fills the tail of stderr
+        said = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()][-8:]
+        result["error"] = "\n".join(said) + "\n" + proc.stdout[-1500:] + proc.stderr[-1500:]
         print(f"[{name}] FAILED ({proc.returncode}):\n{result['error']}", flush=True)
         return result
     epochs = [json.loads(line) for line in metrics[-1].read_text().strip().splitlines()]

@@ -34,8 +34,11 @@ is in flight at a time: NCCL runs it beside the attention kernel; gloo tolerates
 the all-gather and reduce-scatter do; the chunk sums are fp32 (or the inputs' dtype if wider).
 
 **Kernels** (:func:`attention_kernel`): CPU ``_scaled_dot_product_flash_attention_for_cpu``; CUDA cuDNN under
-``--attention_backend cudnn``, FlashAttention-2 for bf16/fp16 at head dim <= 256 (unless
-``--attention_backend efficient`` or ``math``), else the memory-efficient kernel (fp32).
+``--attention_backend cudnn``, else FlashAttention-2; both need bf16/fp16 and a head dim up to 256. Not the
+memory-efficient kernel: its backward gave wrong gradients from the merged log-sum-exp on H200s, eagerly in bf16
+and compiled in fp32 (``tests/gpu/test_ring_attention_nccl.py``, 2026-11-27), so fp32 rings run on the CPU only.
+The CUDA backward is a custom op (:func:`_cuda_chunk_backward`) that lays out the merged output and log-sum-exp
+itself, where inductor cannot re-stride them.
 """
 
 from __future__ import annotations
@@ -57,14 +60,20 @@ _c10d = torch.ops._c10d_functional
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str = "auto") -> str:
-    """The fused kernel that computes one chunk: ``cpu``, ``cudnn``, ``flash`` or ``efficient`` (see the module
-    docstring); ``backend`` is ``--attention_backend`` (``cudnn_packed`` counts as ``cudnn``)."""
+    """The fused kernel that computes one chunk: ``cpu``, or on CUDA ``cudnn`` under ``--attention_backend
+    cudnn`` (or ``cudnn_packed``) and FlashAttention-2 (``flash``) otherwise.
+
+    Raises:
+        ValueError: on CUDA, a dtype other than bf16/fp16, a head dim over 256, or ``backend`` ``efficient`` or
+            ``math``: the memory-efficient kernel's backward gave wrong gradients from a merged log-sum-exp on
+            H200s (``tests/gpu/test_ring_attention_nccl.py``), and those are what the ring would need.
+    """
     if device.type != "cuda":
         return "cpu"
-    if backend.startswith("cudnn"):
-        return "cudnn"
-    low = dtype in (torch.bfloat16, torch.float16)
-    return "flash" if low and head_dim <= 256 and backend in ("auto", "flash") else "efficient"
+    if dtype not in (torch.bfloat16, torch.float16) or head_dim > 256 or backend in ("efficient", "math"):
+        raise ValueError(f"ring attention on CUDA runs FlashAttention-2 or cuDNN, which need bf16 or fp16 and a "
+                         f"head dim up to 256 (got {dtype}, head dim {head_dim}, backend {backend!r})")
+    return "cudnn" if backend.startswith("cudnn") else "flash"
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str):
@@ -73,20 +82,16 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: s
 
     ``q`` ``(B, h, n, d)``, ``k``/``v`` ``(B, h, m, d)``, one float dtype, ``n, m > 0`` (the CPU kernel dies
     of an empty one). Returns ``(out (B, h, n, d) in q's dtype, lse (B, h, n) fp32 (fp64 for fp64), aux)``;
-    ``aux`` (what the kernel's backward needs besides q, k, v, out and lse) goes to
+    ``aux`` (the kernel's random-number state) goes to
     :func:`chunk_attention_backward`."""
     if kernel == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
         return out, lse, ()
     if kernel == "flash":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_flash_attention(q, k, v)
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    if kernel == "efficient":
-        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True)
-        return out, lse[..., : q.shape[2]], (seed, offset, lse.shape[-1])  # rows padded to 32 on CUDA
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True)
-    return out, lse.reshape(q.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset, lse.shape)
+        out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(q, k, v)
+        return out, lse, (seed, offset)
+    out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)
+    return out, lse.reshape(q.shape[:3]), (seed, offset)
 
 
 def chunk_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -96,20 +101,33 @@ def chunk_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     ``dk``/``dv`` the whole gradient of this chunk from these queries."""
     if kernel == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False)
+    return _cuda_chunk_backward(dout, q, k, v, out, lse, *aux, kernel)
+
+
+@torch.library.custom_op("era5vit::ring_chunk_attention_backward", mutates_args=(), device_types="cuda")
+def _cuda_chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, seed: torch.Tensor | None, offset: torch.Tensor | None,
+                         kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CUDA kernel's backward of one chunk, opaque to inductor: the merged ``out`` and ``lse`` are laid out
+    here, eagerly, as the kernel's forward would have returned them. Traced, inductor may give them strides the
+    kernels refuse (cuDNN wants ``dO`` strided like ``O`` and its ``(B, h, n, 1)`` statistics packed, last
+    stride 1 even for that size-1 dim) or misread. Returns contiguous ``(dq, dk, dv)``."""
+    out, dout = out.contiguous(), dout.contiguous()
+    n, m = q.shape[2], k.shape[2]
     if kernel == "flash":
-        cum_q, cum_k, max_q, max_k, seed, offset = aux
-        return _aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q,
-                                                                  max_k, 0.0, False, seed, offset)
-    if kernel == "efficient":
-        seed, offset, rows = aux
-        padded = lse.new_zeros(lse.shape[:-1] + (rows,))  # the kernel's layout; the padding rows are unread
-        padded[..., : lse.shape[-1]] = lse
-        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False])
-        return dq, dk, dv
-    cum_q, cum_k, max_q, max_k, seed, offset, shape = aux
-    return _aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse.reshape(shape), seed, offset,
-                                                              None, cum_q, cum_k, max_q, max_k, 0.0, False)
+        grads = _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, n, m, 0.0, False, seed, offset)
+    else:
+        stats = torch.empty(lse.shape + (1,), dtype=torch.float32, device=lse.device)  # packed (B, h, n, 1)
+        stats.copy_(lse.unsqueeze(-1))
+        grads = _aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, stats, seed, offset, None, None, None, n, m, 0.0, False)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_cuda_chunk_backward.register_fake
+def _(dout, q, k, v, out, lse, seed, offset, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,

@@ -41,9 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from distributed.layers import (DistributedAttention, DistributedLayerNorm, DistributedMLP, DistributedPatchEmbed,
-                                Groups, ReplicatedLinear, parallel_param, tp_group)
-from distributed.mappings import gather_from_parallel_region, group_size, scatter_to_parallel_region
-from distributed.world import local_tensor
+                                Groups, ReplicatedLinear, parallel_param, replicated_param, tp_group)
+from distributed.mappings import gather_from_parallel_region, group_size
 from networks.vit import Attention, VisionTransformer
 
 # wrapper prefixes that are not part of the plain model's names (DDP, torch.compile, activation checkpointing)
@@ -103,11 +102,13 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
 def _embed_local_tokens(model: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
     """``embed`` under CP: this rank's tokens ``(B, n_r, D)`` and their slice of the position embedding.
 
-    Under sequence parallelism the CP rank's slice is scattered over TP: backward all-gathers its gradient, so
-    every TP rank holds the position embedding's gradient for all of the CP rank's tokens."""
-    pe, groups = model.patch_embed, model.parallel_groups
-    pos = local_tensor(model.pos_embed).narrow(1, pe.cp_offset, sum(pe.tp_shapes))
-    return pe(x) + (scatter_to_parallel_region(pos, 1, groups.tp) if groups.sequence_parallel else pos)
+    Under sequence parallelism each TP rank adds its own tokens' slice, and backward sums the position
+    embedding's gradient over TP (``replicated_param``), so every TP rank holds it for all of the CP rank's
+    tokens. (Slicing after a scatter whose backward all-gathers computes the same, but torch 2.11's dynamo lost
+    that gradient: zero on every rank, ``tests/multiprocess/test_sequence_parallel_compiled.py``.)"""
+    pe = model.patch_embed
+    pos = replicated_param(model.pos_embed, model.parallel_groups).narrow(1, pe.offset, pe.num_local)
+    return pe(x) + pos
 
 
 def _gather_then_unpatchify(model: VisionTransformer, x: torch.Tensor) -> torch.Tensor:

@@ -540,7 +540,11 @@ A100, H100 = Launch(cuda=True, cuda_capability=(8, 0)), Launch(cuda=True, cuda_c
      "use --amp_mode bf16"),
     ({"fsdp": "hsdp", "hsdp_shard_size": "3"}, Launch(world_size=4), "--hsdp_shard_size 3 must divide"),
     ({"context_parallel": "2", "cp_attention": "ring"}, Launch(world_size=2, cuda=True),
-     "--cp_attention ring is tested on CPU only: its first GPU run failed"),
+     "--cp_attention ring runs FlashAttention-2 or cuDNN on GPUs, which need bf16 or fp16, but --amp_mode is none"),
+    ({"context_parallel": "2", "cp_attention": "ring", "amp_mode": "bf16", "attention_backend": "efficient"},
+     Launch(world_size=2, cuda=True), "not --attention_backend efficient"),
+    ({"context_parallel": "2", "cp_attention": "ring", "amp_mode": "bf16", "num_heads": "1"},
+     Launch(world_size=2, cuda=True), "needs a head dim up to 256 on GPUs .* embed_dim / num_heads is 384"),
     ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(),
      "--ac_blocks 13 exceeds the model depth 12"),
     ({"run_num": "a/b"}, Launch(), "must be a plain name"),
@@ -567,6 +571,8 @@ def test_valid_settings_pass_validation(tmp_path):
     validate(load_cfg("tiny", expdir=str(tmp_path / "new" / "dir")), Launch())
     validate(load_cfg("short_opt", expdir=str(tmp_path)), Launch(world_size=1, cuda=True))
     validate(load_cfg("mp", fsdp="zero3", fsdp_cpu_offload="true", expdir=str(tmp_path)),
+             Launch(world_size=2, cuda=True))
+    validate(load_cfg("mp", context_parallel="2", cp_attention="ring", expdir=str(tmp_path)),
              Launch(world_size=2, cuda=True))
 
 

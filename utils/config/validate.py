@@ -262,9 +262,22 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
     if par.async_tp:
         _check_async_tp(cfg, launch)
     if par.cp_attention == "ring" and par.context_parallel > 1 and launch.cuda:
-        # its CUDA kernels failed their first GPU run (docs/speed.md, "Context parallel: ring attention")
-        raise UserError("--cp_attention ring is tested on CPU only: its first GPU run failed (cuDNN rejected the "
-                        "merged log-sum-exp's layout); use --cp_attention all_gather on GPUs")
+        _check_ring_on_cuda(cfg)
+
+
+def _check_ring_on_cuda(cfg: Config) -> None:
+    """The ring's CUDA kernels (``distributed/ring_attention.py``, ``attention_kernel``): FlashAttention-2 or
+    cuDNN, in bf16/fp16, head dim up to 256."""
+    head_dim, backend = cfg.model.embed_dim // cfg.model.num_heads, cfg.precision.attention_backend
+    if cfg.precision.amp_mode not in ("bf16", "bf16_pure", "fp16"):
+        raise UserError(f"--cp_attention ring runs FlashAttention-2 or cuDNN on GPUs, which need bf16 or fp16, but "
+                        f"--amp_mode is {cfg.precision.amp_mode}; use --amp_mode bf16 or --cp_attention all_gather")
+    if backend in ("efficient", "math"):
+        raise UserError(f"--cp_attention ring runs FlashAttention-2 or cuDNN on GPUs, not --attention_backend "
+                        f"{backend}; use --attention_backend auto or cudnn, or --cp_attention all_gather")
+    if head_dim > 256:
+        raise UserError(f"--cp_attention ring needs a head dim up to 256 on GPUs (FlashAttention-2, cuDNN), but "
+                        f"embed_dim / num_heads is {head_dim}; raise --num_heads or use --cp_attention all_gather")
 
 
 def _check_async_tp(cfg: Config, launch: Launch) -> None:
