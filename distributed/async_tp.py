@@ -60,12 +60,13 @@ def enable_async_tp(model: nn.Module, announce: bool = False) -> None:
     """Turn on inductor's micro-pipeline TP for ``model``'s sequence-parallel linears: one-piece collectives
     (:func:`use_plain_collectives`), symmetric memory for their TP group, and the pass for every graph compiled
     afterwards in this process (a global inductor setting). Compile ``model`` afterwards; ``announce`` logs one
-    line (rank 0).
+    line (rank 0) when this turns the pass on, so models built after the first (the batch tuner's) say nothing.
 
     Raises:
         ValueError: as :func:`use_plain_collectives`.
     """
     linears = use_plain_collectives(model)
+    announce = announce and not inductor_config._micro_pipeline_tp
     inductor_config._micro_pipeline_tp = True
     for name in sorted({linear.groups.tp.group_name for linear in linears}):
         enable_symm_mem_for_group(name)

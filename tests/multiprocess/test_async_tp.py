@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -111,8 +112,16 @@ def _equal_worker(rank, world):
     assert {m.seq_chunks for m in uneven.modules() if hasattr(m, "seq_chunks")} == {sp.CHUNKS}
     with pytest.raises(ValueError, match="no sequence-parallel linear"):
         use_plain_collectives(apply_tensor_context_parallel(_vit(), tp, None, sequence_parallel=False))
-    enable_async_tp(plain)  # the switches themselves (the pass and symmetric memory act only on CUDA)
+    said = []  # the switches themselves (the pass and symmetric memory act only on CUDA), announced once
+    handler = logging.Handler()
+    handler.emit = said.append
+    logger = logging.getLogger("distributed.async_tp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    for _ in range(2):  # the batch tuner builds the model again: the pass is on already, nothing more to say
+        enable_async_tp(plain, announce=True)
     assert inductor_config._micro_pipeline_tp and is_symm_mem_enabled_for_group(tp.get_group().group_name)
+    assert [r.getMessage().split(":")[0] for r in said] == ["async TP"]
 
 
 def test_one_piece_path_equals_chunked_and_one_process():

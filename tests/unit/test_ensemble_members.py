@@ -12,7 +12,7 @@ from training.loop.rollout import rollout_loss
 from utils.config.schema import Config, ModelConfig, OptimConfig, ParallelConfig
 from utils.config.validate import Launch, validate
 from utils.core.errors import UserError
-from utils.data.noise import EVALUATION, TRAINING, draw_seed, member_noise, repeat_members
+from utils.data.noise import EVALUATION, TRAINING, draw_seed, member_inputs, member_noise, repeat_members
 
 SHAPE = (2, 4, 6)  # Z, H, W
 
@@ -112,3 +112,13 @@ def test_bad_ensemble_settings_are_refused_with_the_fix(sections, world, message
 def test_a_valid_ensemble_config_passes():
     validate(config(optim={"loss": "crps", "ensemble_members": 4}, model={"noise_channels": 2},
                     parallel={"ensemble_parallel": 2}), Launch(world_size=4))
+
+
+def test_member_inputs_without_noise_repeat_the_forcings_and_without_either_feed_nothing():
+    inp, forcing = torch.randn(2, 3, 4, 5), torch.randn(2, 1, 4, 5, dtype=torch.bfloat16)
+    states, extra = member_inputs(inp, 2, lambda j: forcing, None)
+    assert torch.equal(states, inp.repeat_interleave(2, 0)) and torch.equal(extra(0), forcing.repeat_interleave(2, 0))
+    noise = torch.randn(4, 2, 4, 5)
+    both = member_inputs(inp, 2, lambda j: forcing, lambda j: noise)[1](0)
+    assert both.dtype == torch.bfloat16 and torch.equal(both[:, 1:], noise.to(torch.bfloat16))
+    assert member_inputs(inp, 2, None, None)[1] is None

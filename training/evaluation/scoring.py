@@ -39,7 +39,7 @@ from training.evaluation.metrics import (blurring_band, relative_l2_loss, rmse_f
                                          weighted_bias_channels, weighted_mse_channels, zonal_power_spectrum)
 from training.monitor.profiling import nvtx_range
 from utils.data.forcing_source import append_forcings
-from utils.data.noise import EVALUATION, member_noise, repeat_members
+from utils.data.noise import EVALUATION, member_inputs, member_noise
 from utils.data.stats import Stats
 from utils.data.timestep import lead_label
 
@@ -95,8 +95,8 @@ def member_rollout(model: nn.Module, inp: torch.Tensor, samples: list[int], step
     def noise(j: int) -> torch.Tensor:
         return member_noise((members.seed, EVALUATION, 0), samples, range(n), j, shape, inp.device)
 
-    repeated = forcing and (lambda j: repeat_members(forcing(j), n))
-    for x in rollout(model, repeat_members(inp, n), steps, autocast, repeated, noise if shape[0] else None):
+    states, extra = member_inputs(inp, n, forcing, noise if shape[0] else None)
+    for x in rollout(model, states, steps, autocast, extra):
         yield x.view(b, n, *x.shape[1:])
 
 

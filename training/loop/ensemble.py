@@ -24,8 +24,7 @@ from distributed.ensemble_parallel import gather_members, local_members
 from training.evaluation.ensemble_metrics import almost_fair_crps
 from training.evaluation.ensemble_scoring import Ensemble
 from utils.config.schema import Config
-from utils.data.forcing_source import append_forcings
-from utils.data.noise import TRAINING, member_noise, repeat_members
+from utils.data.noise import TRAINING, member_inputs, member_noise
 
 
 @dataclass
@@ -61,13 +60,12 @@ class Members:
             ``(B * m, C, H, W)`` states, each repeated for this rank's m members (sample-major), and ``j -> (B * m,
             F + S + Z, H, W)``: the forcings repeated, then each member's noise for application ``j``.
         """
-        samples, m = idx.tolist(), len(self.members)
+        samples = idx.tolist()
 
-        def extra(j: int) -> torch.Tensor:
-            noise = member_noise((self.seed, TRAINING, step), samples, self.members, j, self.noise_shape, inp.device)
-            return append_forcings(repeat_members(forcing and forcing(j), m), noise) if forcing else noise
+        def noise(j: int) -> torch.Tensor:
+            return member_noise((self.seed, TRAINING, step), samples, self.members, j, self.noise_shape, inp.device)
 
-        return repeat_members(inp, m), extra
+        return member_inputs(inp, len(self.members), forcing, noise)
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The afCRPS of the ensemble: ``pred`` ``(B * m, C, H, W)``, this rank's members sample-major, gathered

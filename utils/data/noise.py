@@ -10,7 +10,7 @@ other ranks (``--ensemble_parallel``) draw the same noise for the same member.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -64,3 +64,19 @@ def repeat_members(x: torch.Tensor | None, m: int) -> torch.Tensor | None:
     """``(B, ...)`` -> ``(B * m, ...)``: each state (or forcing) repeated for its ``m`` members, sample-major as
     :func:`member_noise` orders them; None stays None."""
     return x if x is None or m == 1 else x.repeat_interleave(m, dim=0)
+
+
+def member_inputs(inp: torch.Tensor, m: int, forcing: Callable[[int], torch.Tensor] | None,
+                  noise: Callable[[int], torch.Tensor] | None):
+    """What ``m`` members of each state are fed: ``(B * m, C, H, W)`` states (:func:`repeat_members`), and
+    application ``j`` -> ``(B * m, F + S + Z, H, W)`` input-only channels: ``forcing(j)`` ``(B, F + S, H, W)``
+    repeated for the members, then ``noise(j)`` ``(B * m, Z, H, W)`` (:func:`member_noise`), in the forcings'
+    dtype. Either may be None; so is the function when both are."""
+    if forcing is None and noise is None:
+        return repeat_members(inp, m), None
+
+    def extra(j: int) -> torch.Tensor:
+        forced, drawn = repeat_members(forcing and forcing(j), m), noise and noise(j)
+        return drawn if forced is None else forced if drawn is None else torch.cat([forced, drawn.to(forced.dtype)], 1)
+
+    return repeat_members(inp, m), extra
