@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from distributed.async_tp import enable_async_tp
 from distributed.ddp import FixedBucketsDDP
+from distributed.sequence_parallel import bucket_replicated_gradients
 from distributed.simulate import is_simulated
 from distributed.tensor_parallel import apply_tensor_context_parallel
 from distributed.world import World
@@ -243,6 +244,8 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
                                       parallel.sequence_parallel, parallel.cp_attention, precision.attention_backend)
         if parallel.async_tp:  # before compiling: the linears' one-piece graphs are what inductor's pass fuses
             enable_async_tp(model, announce=world.is_main)
+        if parallel.sp_grad_bucketing:
+            bucket_replicated_gradients()
     if precision.attention_backend == "cudnn_packed":
         apply_packed_attention(model)
     if precision.amp_mode == "fp8":

@@ -50,12 +50,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed.mappings import compute_split_shapes, group_rank, group_size, stack_chunks
 
-__all__ = ["CHUNKS", "region_pieces", "sequence_parallel_column_linear", "sequence_parallel_row_linear"]
+__all__ = ["CHUNKS", "bucket_replicated_gradients", "region_pieces", "sequence_parallel_column_linear",
+           "sequence_parallel_row_linear"]
 
 _c10d = torch.ops._c10d_functional  # functional collectives: launched at once, awaited by wait_tensor
 
@@ -242,3 +244,20 @@ def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, shapes: 
     if group_size(group) == 1:
         return F.linear(x, weight)
     return _SequenceParallelRowLinear.apply(x, weight, _pieces(x.shape[0], shapes, group, chunks, "region"), group)
+
+
+def bucket_replicated_gradients() -> None:
+    """Have inductor merge the gradient all-reduces that sequence parallelism adds (``--sp_grad_bucketing``).
+
+    Under sequence parallelism each TP rank applies the replicated parameters (LayerNorm weights and biases, the
+    row-parallel biases, the patch and position embeddings, the head) to its own tokens only, so backward sums
+    each one's gradient over TP: a separate small all-reduce per tensor (``replicated_param`` in
+    ``distributed/layers.py``; 6 per block), each paying a collective's latency. With
+    ``torch._inductor.config.bucket_all_reduces_fx`` inductor's post-grad pass
+    (``torch/_inductor/fx_passes/bucketing.py``) concatenates the all-reduces of a compiled graph into buckets
+    of up to 2000 MB, its default (so one per graph: the whole model, or each block when FSDP compiles blocks),
+    each issued once its last gradient is ready, then splits the sums back. A global inductor setting: it
+    applies to every graph compiled afterwards in this process. Sequence parallelism's forward has no
+    all-reduce, so only these gradients are bucketed; ``utils/config/validate.py`` refuses the setting
+    without sequence parallelism or compile."""
+    inductor_config.bucket_all_reduces_fx = "all"

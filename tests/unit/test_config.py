@@ -545,6 +545,11 @@ A100, H100 = Launch(cuda=True, cuda_capability=(8, 0)), Launch(cuda=True, cuda_c
      Launch(world_size=2, cuda=True), "not --attention_backend efficient"),
     ({"context_parallel": "2", "cp_attention": "ring", "amp_mode": "bf16", "num_heads": "1"},
      Launch(world_size=2, cuda=True), "needs a head dim up to 256 on GPUs .* embed_dim / num_heads is 384"),
+    ({"sp_grad_bucketing": "true", "tensor_parallel": "2", "enable_jit": "true"}, Launch(world_size=2),
+     "--sp_grad_bucketing merges the gradient all-reduces that sequence parallelism adds, in compiled graphs; add "
+     "--tensor_parallel 2"),
+    ({"sp_grad_bucketing": "true", "tensor_parallel": "2", "sequence_parallel": "true"}, Launch(world_size=2),
+     "or drop --sp_grad_bucketing"),
     ({"activation_checkpointing": "selective", "ac_blocks": "13"}, Launch(),
      "--ac_blocks 13 exceeds the model depth 12"),
     ({"run_num": "a/b"}, Launch(), "must be a plain name"),
@@ -574,6 +579,8 @@ def test_valid_settings_pass_validation(tmp_path):
              Launch(world_size=2, cuda=True))
     validate(load_cfg("mp", context_parallel="2", cp_attention="ring", expdir=str(tmp_path)),
              Launch(world_size=2, cuda=True))
+    validate(load_cfg("tiny", tensor_parallel="2", sequence_parallel="true", enable_jit="true",
+                      sp_grad_bucketing="true", expdir=str(tmp_path)), Launch(world_size=2))
 
 
 def test_fp8_passes_on_hopper_with_its_keys(tmp_path):

@@ -180,6 +180,9 @@ class ParallelConfig:
                                 "tensor parallel (inductor's micro-pipeline TP on symmetric memory) decomposes each "
                                 "all-gather + GEMM and GEMM + reduce-scatter instead of our chunked collectives; "
                                 "tokens must split evenly over tp (docs/parallelism.md)")
+    sp_grad_bucketing: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled: inductor merges the "
+                                         "tp all-reduces of the replicated parameters' gradients (LayerNorms, biases, "
+                                         "embeddings) into one bucket per compiled graph (docs/parallelism.md)")
     cp_attention: Literal["all_gather", "ring"] = key(
         "all_gather", "context_parallel > 1: how attention reaches the other ranks' keys/values: all_gather them "
                       "first, or ring: pass them around the ranks behind the attention of the chunk in hand "

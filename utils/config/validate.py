@@ -261,6 +261,10 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
                             "use --amp_mode bf16 (no GradScaler needed)")
     if par.async_tp:
         _check_async_tp(cfg, launch)
+    if par.sp_grad_bucketing and not (par.tensor_parallel > 1 and par.sequence_parallel and cfg.precision.enable_jit):
+        raise UserError("--sp_grad_bucketing merges the gradient all-reduces that sequence parallelism adds, in "
+                        "compiled graphs; add --tensor_parallel 2 (or more) --sequence_parallel true --enable_jit "
+                        "true, or drop --sp_grad_bucketing")
     if par.cp_attention == "ring" and par.context_parallel > 1 and launch.cuda:
         _check_ring_on_cuda(cfg)
 
