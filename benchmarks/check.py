@@ -26,8 +26,9 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
 * ``tp``: on 2 GPUs, ``mp`` with DDP and with tp 2 (the variants of ``benchmarks/multi_gpu.py --suite tp
   --gpus_max 2``, run by its runner): both samples/s and tp 2's share of DDP's per-GPU rate (the tensor-parallel
   overlap of docs/speed.md). With fewer GPUs it is skipped, and says so; so are the next two.
-* ``tp_async``: the same with torch's asynchronous tensor parallelism (``--async_tp true``) and with tp 2 without
-  sequence parallelism: each one's samples/s and share of DDP;
+* ``tp_async``: the same with torch's asynchronous tensor parallelism (``--async_tp true``), with the sequence-
+  parallel gradient all-reduces bucketed (``--sp_grad_bucketing true``) and with tp 2 without sequence
+  parallelism: each one's samples/s and share of DDP;
 * ``cp``: cp 2 with the key/value all-gather and with the ring (``--cp_attention ring``): the same;
 * ``scaling``: on every GPU of this machine (2 or more), DDP weak scaling of ``--config``, compute only, in the
   precision of the highest ceiling, local batch that of one GPU, ``--bucket_cap_mb 200``: samples/s and its
@@ -73,7 +74,8 @@ TP_SHARE = "mp tp 2 / DDP per GPU"
 DDP_VARIANT = "mp_tp1_cp1"
 # the two-GPU measurements: multi_gpu.py --suite tp variants (besides DDP) -> the label of their metrics
 TWO_GPU = {"tp": {"mp_tp2_cp1": "mp tp 2"},
-           "tp_async": {"mp_tp2_cp1_async": "mp tp 2 async", "mp_tp2_cp1_nosp": "mp tp 2 without sp"},
+           "tp_async": {"mp_tp2_cp1_async": "mp tp 2 async", "mp_tp2_cp1_buckets": "mp tp 2 sp grad buckets",
+                        "mp_tp2_cp1_nosp": "mp tp 2 without sp"},
            "cp": {"mp_tp1_cp2": "mp cp 2", "mp_tp1_cp2_ring": "mp cp 2 ring"}}
 # the training modes' extra train.py arguments (measurement modes), by the label of their metrics
 MODES = {"rollout K2": ["--train_rollout_steps", "2"],

@@ -73,7 +73,8 @@ def vit2b_args(args, prefetch: int, bs: int) -> tuple:
 def tp(args) -> list[tuple]:
     """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest; those that need more GPUs
     than ``--gpus_max`` are left out), local batch 16 per dp group; tp 2 also with torch's async TP
-    (``mp_tp2_cp1_async``, ``--async_tp true``) and without sequence parallelism (``mp_tp2_cp1_nosp``), cp 2 with
+    (``mp_tp2_cp1_async``, ``--async_tp true``), with its replicated gradients' all-reduces bucketed
+    (``mp_tp2_cp1_buckets``, ``--sp_grad_bucketing true``) and without sequence parallelism (``mp_tp2_cp1_nosp``), cp 2 with
     the K/V all-gather (``mp_tp1_cp2``) and with the ring (``mp_tp1_cp2_ring``, ``--cp_attention ring``).
 
     With ``--data_path`` the native loader reads real (or generated) data, so the loss curves of the
@@ -92,9 +93,10 @@ def tp(args) -> list[tuple]:
                      "--context_parallel", str(cp_size), "--local_batch_size", "16",
                      "--limit_nsamples", str(16 * dp * args.steps), "--sequence_parallel", str(sp).lower()]
                     + OPT + data))
-    if n >= 2:  # tp 2 with sequence parallelism also through inductor's micro-pipeline TP
+    if n >= 2:  # tp 2 with sequence parallelism also through inductor's micro-pipeline TP, and bucketed
         name, gpus, tp2 = out[1]  # mp_tp2_cp1
-        out.insert(2, (f"{name}_async", gpus, tp2 + ["--async_tp", "true"]))
+        out[2:2] = [(f"{name}_async", gpus, tp2 + ["--async_tp", "true"]),
+                    (f"{name}_buckets", gpus, tp2 + ["--sp_grad_bucketing", "true"])]
     if out[-1][0] == "mp_tp1_cp2":  # cp 2 both ways of reaching the other ranks' keys/values
         name, gpus, cp2 = out.pop()
         out += [(name, gpus, cp2 + ["--cp_attention", "all_gather"]),

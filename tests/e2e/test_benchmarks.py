@@ -392,28 +392,33 @@ def test_check_modes_and_fp8_vit2b_give_each_cost_row(tiny_data, tmp_path):
 
 
 def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_data, tmp_path, capsys):
-    """--only tp tp_async cp: one DDP run of mp, then tp 2, async tp, tp 2 without sequence parallelism, cp 2 with
+    """--only tp tp_async cp: one DDP run of mp, then tp 2, async tp, bucketed sp gradients, tp 2 without sequence
+    parallelism, cp 2 with
     the all-gather and with the ring, each with its share of DDP. --only scaling on 4 GPUs: the one-GPU ceiling,
     then DDP on 4 at the same local batch with 200 MiB buckets, and its share of 4 x the ceiling."""
     from benchmarks.check import TP_SHARE, main
     speeds = {"mp_tp1_cp1": 140.0, "mp_tp2_cp1": 110.0, "mp_tp2_cp1_async": 126.0, "mp_tp2_cp1_nosp": 112.0,
+              "mp_tp2_cp1_buckets": 114.0,
               "mp_tp1_cp2": 125.0, "mp_tp1_cp2_ring": 133.0, "ceiling_bf16_pure": 180.0, "scaling_4gpu": 700.0}
     calls, run, _ = fake_check_runs(speeds, (0, 0))
     out = tmp_path / "levers.json"
     common = ["--reference", str(tmp_path / "none.json"), "--expdir", str(tmp_path / "runs"), "--out", str(out)]
     assert not main([*common, "--only", "tp", "tp_async", "cp"], run=run, gpus=2)
-    assert [c[0] for c in calls] == ["mp_tp1_cp1", "mp_tp2_cp1", "mp_tp2_cp1_async", "mp_tp2_cp1_nosp",
-                                     "mp_tp1_cp2", "mp_tp1_cp2_ring"]
-    assert "--async_tp true" in " ".join(calls[2][1]) and "--cp_attention ring" in " ".join(calls[5][1])
+    assert [c[0] for c in calls] == ["mp_tp1_cp1", "mp_tp2_cp1", "mp_tp2_cp1_async", "mp_tp2_cp1_buckets",
+                                     "mp_tp2_cp1_nosp", "mp_tp1_cp2", "mp_tp1_cp2_ring"]
+    assert "--async_tp true" in " ".join(calls[2][1]) and "--cp_attention ring" in " ".join(calls[6][1])
+    assert "--sp_grad_bucketing true" in " ".join(calls[3][1])
     assert all(c[2][-1] == "--nproc_per_node=2" for c in calls)
     saved = json.loads(out.read_text())
     metrics = saved["metrics"]
     assert metrics[TP_SHARE] == pytest.approx(110 / 140)
     assert metrics["mp tp 2 async / DDP per GPU"] == pytest.approx(126 / 140)
     assert metrics["mp tp 2 without sp / DDP per GPU"] == pytest.approx(112 / 140)
+    assert metrics["mp tp 2 sp grad buckets / DDP per GPU"] == pytest.approx(114 / 140)
     assert metrics["mp cp 2 / DDP per GPU"] == pytest.approx(125 / 140)
     assert metrics["mp cp 2 ring / DDP per GPU"] == pytest.approx(133 / 140)
-    assert [r["measurement"] for r in saved["results"]] == ["tp", "tp", "tp_async", "tp_async", "cp", "cp"]
+    assert [r["measurement"] for r in saved["results"]] == ["tp", "tp", "tp_async", "tp_async", "tp_async", "cp",
+                                                            "cp"]
     # one GPU: each two-GPU measurement skipped and said
     calls.clear()
     assert not main([*common, "--only", "tp_async", "cp"], run=run, gpus=1)
@@ -454,7 +459,8 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
     out = ["--out", str(tmp_path / "r.json"), "--gpus_max", "2"]
     assert main(["--suite", "tp", *out], runner=run) == 0
     assert calls == [("mp_tp1_cp1", "--nproc_per_node=2"), ("mp_tp2_cp1", "--nproc_per_node=2"),
-                     ("mp_tp2_cp1_async", "--nproc_per_node=2"), ("mp_tp2_cp1_nosp", "--nproc_per_node=2"),
+                     ("mp_tp2_cp1_async", "--nproc_per_node=2"), ("mp_tp2_cp1_buckets", "--nproc_per_node=2"),
+                     ("mp_tp2_cp1_nosp", "--nproc_per_node=2"),
                      ("mp_tp1_cp2", "--nproc_per_node=2"), ("mp_tp1_cp2_ring", "--nproc_per_node=2")]
     calls.clear()
     assert main(["--suite", "fsdp", "--only", "mp_zero3_ac,mp_ddp", *out], runner=run) == 0
