@@ -118,8 +118,7 @@ def _cuda_chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         grads = _aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, n, m, 0.0, False, seed, offset)
     else:
-        stats = torch.empty(lse.shape + (1,), dtype=torch.float32, device=lse.device)  # packed (B, h, n, 1)
-        stats.copy_(lse.unsqueeze(-1))
+        stats = lse.contiguous().unsqueeze(-1)  # packed (B, h, n, 1): strides (h n, n, 1, 1)
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, stats, seed, offset, None, None, None, n, m, 0.0, False)
     return tuple(g.contiguous() for g in grads)

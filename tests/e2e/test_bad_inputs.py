@@ -308,6 +308,9 @@ CASES = [
          env=LAUNCH),
     Case("model parallel on one process", ["--tensor_parallel", "2"], ["world size 1 is not divisible"],
          entry="train_mp.py"),
+    Case("sp gradient bucketing without sequence parallelism", ["--sp_grad_bucketing", "true", "--tensor_parallel", "2"],
+         ["--sp_grad_bucketing merges the gradient all-reduces that sequence parallelism adds",
+          "add --tensor_parallel 2 (or more) --sequence_parallel true --enable_jit true"], env=LAUNCH),
     Case("fp8 with tensor parallel", ["--amp_mode", "fp8", "--tensor_parallel", "2"],
          ["--amp_mode fp8 is not supported with tensor or context parallelism", "use --amp_mode bf16"], env=LAUNCH),
     # ---- tools

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from utils.data.forcing_source import append_forcings
+
 # the ``stream`` entry of the key: training and validation/evaluation/forecasts never share draws
 TRAINING, EVALUATION = 0, 1
 
@@ -77,6 +79,6 @@ def member_inputs(inp: torch.Tensor, m: int, forcing: Callable[[int], torch.Tens
 
     def extra(j: int) -> torch.Tensor:
         forced, drawn = repeat_members(forcing and forcing(j), m), noise and noise(j)
-        return drawn if forced is None else forced if drawn is None else torch.cat([forced, drawn.to(forced.dtype)], 1)
+        return drawn if forced is None else append_forcings(forced, drawn)
 
     return repeat_members(inp, m), extra
