@@ -71,11 +71,12 @@ def vit2b_args(args, prefetch: int, bs: int) -> tuple:
 
 
 def tp(args) -> list[tuple]:
-    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2 (data parallel over the rest; those that need more GPUs
+    """``mp`` on all GPUs: tp = 1, 2, 4 and cp = 2, 4 (data parallel over the rest; those that need more GPUs
     than ``--gpus_max`` are left out), local batch 16 per dp group; tp 2 also with torch's async TP
     (``mp_tp2_cp1_async``, ``--async_tp true``), with its replicated gradients' all-reduces bucketed
-    (``mp_tp2_cp1_buckets``, ``--sp_grad_bucketing true``) and without sequence parallelism (``mp_tp2_cp1_nosp``), cp 2 with
-    the K/V all-gather (``mp_tp1_cp2``) and with the ring (``mp_tp1_cp2_ring``, ``--cp_attention ring``).
+    (``mp_tp2_cp1_buckets``, ``--sp_grad_bucketing true``), with both (``mp_tp2_cp1_async_buckets``) and without
+    sequence parallelism (``mp_tp2_cp1_nosp``); each cp with the K/V all-gather (``mp_tp1_cp2``) and with the
+    ring (``mp_tp1_cp2_ring``, ``--cp_attention ring``).
 
     With ``--data_path`` the native loader reads real (or generated) data, so the loss curves of the
     variants can be compared; without it, synthetic batches.
@@ -84,23 +85,26 @@ def tp(args) -> list[tuple]:
     data = (["--data_path", args.data_path, "--data_loader_config", "pytorch", "--num_data_workers", "4"]
             if args.data_path else SYNTH)
     out = []
-    for tp_size, cp_size, sp in ((1, 1, True), (2, 1, True), (2, 1, False), (4, 1, True), (1, 2, True)):
+    for tp_size, cp_size, sp in ((1, 1, True), (2, 1, True), (2, 1, False), (4, 1, True), (1, 2, True),
+                                 (1, 4, True)):
         if tp_size * cp_size > n:
             continue
         dp = n // (tp_size * cp_size)
-        out.append((f"mp_tp{tp_size}_cp{cp_size}" + ("" if sp else "_nosp"), n,
-                    ["--config", args.config or "mp", "--tensor_parallel", str(tp_size),
+        name = f"mp_tp{tp_size}_cp{cp_size}" + ("" if sp else "_nosp")
+        run_args = (["--config", args.config or "mp", "--tensor_parallel", str(tp_size),
                      "--context_parallel", str(cp_size), "--local_batch_size", "16",
                      "--limit_nsamples", str(16 * dp * args.steps), "--sequence_parallel", str(sp).lower()]
-                    + OPT + data))
+                    + OPT + data)
+        if cp_size > 1:  # both ways of reaching the other ranks' keys/values
+            out += [(name, n, run_args + ["--cp_attention", "all_gather"]),
+                    (f"{name}_ring", n, run_args + ["--cp_attention", "ring"])]
+        else:
+            out.append((name, n, run_args))
     if n >= 2:  # tp 2 with sequence parallelism also through inductor's micro-pipeline TP, and bucketed
         name, gpus, tp2 = out[1]  # mp_tp2_cp1
         out[2:2] = [(f"{name}_async", gpus, tp2 + ["--async_tp", "true"]),
-                    (f"{name}_buckets", gpus, tp2 + ["--sp_grad_bucketing", "true"])]
-    if out[-1][0] == "mp_tp1_cp2":  # cp 2 both ways of reaching the other ranks' keys/values
-        name, gpus, cp2 = out.pop()
-        out += [(name, gpus, cp2 + ["--cp_attention", "all_gather"]),
-                (f"{name}_ring", gpus, cp2 + ["--cp_attention", "ring"])]
+                    (f"{name}_buckets", gpus, tp2 + ["--sp_grad_bucketing", "true"]),
+                    (f"{name}_async_buckets", gpus, tp2 + ["--async_tp", "true", "--sp_grad_bucketing", "true"])]
     return out
 
 

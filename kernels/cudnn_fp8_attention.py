@@ -15,6 +15,12 @@ carried from step to step (resume stays exact and checkpoints stay plain):
   then ``|dQ| <= 2 s max|dP| max|K|``, ``|dK| <= 2 s N max|dP| max|Q|`` (s = 1/sqrt(D)) and
   ``|dV| <= N max|dO|``.
 
+Each head's keys are centred first (their mean over the tokens subtracted): that moves every row of logits by a
+constant, which softmax ignores, so output and gradients are those of the keys given, and it makes each row's
+mean logit 0, so its largest is at least 0. Without it a query facing away from all keys (every logit of its
+row below about -100, met in `vit_2b` after ten steps) got an output of zeros from cuDNN's fp8 forward and a
+NaN gradient row from its backward, while the bf16 kernel and fp32 attention give finite values.
+
 Every scale is a power of two (exact in any float format, so quantizing and its inverse add no rounding of
 their own) at least one factor of two below the format's largest value over the bound. e5m2 spans 32 binades,
 so the loose gradient bounds (up to a factor N) still leave the gradients about 20 binades.
@@ -53,6 +59,15 @@ def pow2_scale(bound: torch.Tensor, fmt_max: float) -> torch.Tensor:
     is any fp32 tensor of upper bounds (zeros allowed), returned elementwise as fp32."""
     exponent = torch.floor(torch.log2(fmt_max / bound.float().clamp_min(2.0 ** -100))) - 1
     return torch.exp2(exponent.clamp(-100, 100))
+
+
+def center_keys(qkv: torch.Tensor) -> torch.Tensor:
+    """``qkv`` ``(B, N, 3, H, D)`` with the keys ``qkv[:, :, 1]`` less their mean over the N tokens, per batch
+    entry and head; q and v unchanged. The projection is symmetric, so the same function maps the centred keys'
+    gradient to the given keys' gradient (it subtracts the gradient's token mean, zero in exact arithmetic since
+    each row of the score gradient sums to zero)."""
+    keys = qkv[:, :, 1:2]
+    return torch.cat([qkv[:, :, :1], keys - keys.mean(dim=1, keepdim=True), qkv[:, :, 2:]], dim=2)
 
 
 def forward_scales(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +212,7 @@ class _Fp8Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor) -> torch.Tensor:
+        qkv = center_keys(qkv)
         scale, saved = forward_scales(qkv)
         qkv8 = (qkv * scale.to(qkv.dtype).view(1, 1, 3, 1, 1)).to(E4M3)
         o8, stats = _forward(qkv8, saved)
@@ -211,7 +227,7 @@ class _Fp8Attention(torch.autograd.Function):
         do8 = (grad_out * scales["scale_dO"].to(grad_out.dtype)).to(E5M2)
         dqkv8 = _backward(qkv8, o8, do8, stats, saved, torch.stack([scales[name] for name in GRADIENT_SCALES]))
         descale = torch.stack([1 / scales["scale_dQ"], 1 / scales["scale_dK"], 1 / scales["scale_dV"]])
-        return dqkv8.to(grad_out.dtype) * descale.to(grad_out.dtype).view(1, 1, 3, 1, 1)
+        return center_keys(dqkv8.to(grad_out.dtype) * descale.to(grad_out.dtype).view(1, 1, 3, 1, 1))
 
 
 def fp8_packed_attention(qkv: torch.Tensor) -> torch.Tensor:

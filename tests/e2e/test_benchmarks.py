@@ -460,7 +460,7 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
     assert main(["--suite", "tp", *out], runner=run) == 0
     assert calls == [("mp_tp1_cp1", "--nproc_per_node=2"), ("mp_tp2_cp1", "--nproc_per_node=2"),
                      ("mp_tp2_cp1_async", "--nproc_per_node=2"), ("mp_tp2_cp1_buckets", "--nproc_per_node=2"),
-                     ("mp_tp2_cp1_nosp", "--nproc_per_node=2"),
+                     ("mp_tp2_cp1_async_buckets", "--nproc_per_node=2"), ("mp_tp2_cp1_nosp", "--nproc_per_node=2"),
                      ("mp_tp1_cp2", "--nproc_per_node=2"), ("mp_tp1_cp2_ring", "--nproc_per_node=2")]
     calls.clear()
     assert main(["--suite", "fsdp", "--only", "mp_zero3_ac,mp_ddp", *out], runner=run) == 0

@@ -15,7 +15,7 @@ from distributed.launch import LaunchEnv
 from distributed.parallelize import apply_fp8_attention, fp8_attention_fallback
 from distributed.world import World
 from kernels.cudnn_fp8_attention import (DESCALE_K, DESCALE_O, DESCALE_Q, DESCALE_V, E4M3_MAX, E5M2_MAX, P_SCALE,
-                                         backward_scales, forward_scales, pow2_scale)
+                                         backward_scales, center_keys, forward_scales, pow2_scale)
 from networks.vit import VisionTransformer
 from utils.config.schema import PrecisionConfig
 
@@ -60,6 +60,32 @@ def test_every_quantized_tensor_fits_its_format(sharpness):
         assert (dqkv[:, :, i].abs().max() * sc[name] <= E5M2_MAX / 2).item(), name
         # loose bounds still leave most of e5m2's range: the largest gradient is within 2^16 of the top
         assert (dqkv[:, :, i].abs().max() * sc[name] >= E5M2_MAX * 2.0 ** -16).item(), name
+
+
+def _largest_logit_per_row(qkv: torch.Tensor) -> torch.Tensor:
+    q, k, _ = qkv.permute(2, 0, 3, 1, 4)
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).amax(-1)
+
+
+def test_centred_keys_keep_attention_and_its_gradient_and_lift_each_rows_largest_logit():
+    """Queries facing away from every key (each row's logits near -600: the case where cuDNN's fp8 kernels gave
+    zeros and NaN): centring the keys leaves output and gradient as they were (float64), the function maps the
+    centred keys' gradient back (as the backward uses it), and every row's largest logit becomes >= 0."""
+    torch.manual_seed(0)
+    b, n, h, d = 2, 64, 2, 32
+    away = torch.full((d,), 60 / math.sqrt(d), dtype=torch.float64)
+    qkv = torch.randn(b, n, 3, h, d, dtype=torch.float64)
+    qkv[:, :, 0] -= away
+    qkv[:, :, 1] += away
+    grad = torch.randn(b, n, h, d, dtype=torch.float64)
+    out, _, _, dqkv = _attention(qkv.clone(), grad)  # float64 in: _attention's leaf would be qkv itself
+    centred = center_keys(qkv)
+    out_c, _, _, d_centred = _attention(centred, grad)
+    torch.testing.assert_close(out_c, out)
+    torch.testing.assert_close(center_keys(d_centred), dqkv)
+    assert _largest_logit_per_row(qkv).max() < -100
+    assert _largest_logit_per_row(centred).min() >= 0
+    torch.testing.assert_close(centred[:, :, 0::2], qkv[:, :, 0::2], rtol=0, atol=0)  # q and v untouched
 
 
 def test_fallback_reasons_are_logged_once_per_reason(caplog):
