@@ -148,6 +148,12 @@ def test_choose_objectives_and_tolerance():
         choose(trials, tolerance=1.0)
     with pytest.raises(NoCleanTrial, match="smallest tried, 40, gave error"):
         choose([t for t in trials if not t.clean])
+    # a global batch above the training samples is measured but never chosen: its command could not train
+    fit = choose(trials, samples=127)
+    assert fit["max-throughput"].local_batch_size == 32 and fit["min-batch-at-peak"].local_batch_size == 32
+    assert choose(trials, samples=128)["max-throughput"].local_batch_size == 64
+    with pytest.raises(NoCleanTrial, match="more than the 15 training samples .the smallest a global batch of 16"):
+        choose(trials, samples=15)
 
 
 def test_scaled_lr_follows_the_config_ladder():

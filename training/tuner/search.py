@@ -258,8 +258,9 @@ class NoCleanTrial(UserError):
     """No measured batch ran clean, so there is nothing to choose."""
 
 
-def choose(trials: list[Trial], tolerance: float = 0.02) -> dict[str, Trial]:
-    """The choice for each objective among the clean trials:
+def choose(trials: list[Trial], tolerance: float = 0.02, samples: int | None = None) -> dict[str, Trial]:
+    """The choice for each objective among the clean trials whose global batch fits in ``samples`` (the
+    training samples of an epoch, when known: a larger global batch measures memory but cannot train):
 
     * ``max-throughput``: the highest samples/s (the smaller batch on a tie);
     * ``min-batch-at-peak``: the smallest local batch within ``tolerance`` (a fraction: 0.02 is 2 %)
@@ -267,13 +268,21 @@ def choose(trials: list[Trial], tolerance: float = 0.02) -> dict[str, Trial]:
 
     Raises:
         ValueError: ``tolerance`` not in [0, 1).
-        NoCleanTrial: no trial is clean (the message says how the smallest one failed).
+        NoCleanTrial: no trial is clean (the message says how the smallest one failed), or every clean
+            one's global batch exceeds ``samples``.
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance is a fraction in [0, 1), got {tolerance}")
     clean = [t for t in trials if t.clean]
     if not clean:
         raise NoCleanTrial(_no_clean_message(trials))
+    if samples is not None:
+        smallest = min(t.global_batch_size for t in clean)
+        clean = [t for t in clean if t.global_batch_size <= samples]
+        if not clean:
+            raise NoCleanTrial(f"every batch that ran clean needs more than the {samples} training samples (the "
+                               f"smallest a global batch of {smallest}); train on more samples (--limit_nsamples) "
+                               "or lower --tune_start")
     best = max(clean, key=lambda t: (t.samples_per_s, -t.local_batch_size))
     near = [t for t in clean if t.samples_per_s >= (1 - tolerance) * best.samples_per_s]
     return {"max-throughput": best, "min-batch-at-peak": min(near, key=lambda t: t.local_batch_size)}

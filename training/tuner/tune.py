@@ -96,7 +96,7 @@ def tune(cfg: Config, world: World, base_args: list[str], journal_path: Path, qu
     except UserError:
         journal.discard_if_unused()
         raise
-    choices = choose(trials, t.tolerance)
+    choices = choose(trials, t.tolerance, training_samples(cfg))
     base = base_batch(cfg, world.dp)
     args = {name: choice_args(choice, base_args, cfg.optim.lr, base, cfg.optim.num_iters)
             for name, choice in choices.items()}
