@@ -205,7 +205,8 @@ def fake_check_runs(speeds: dict[str, float], stalls: tuple[float, float]):
 
     def run(name, args, expdir, **launch):  # launch: multi_gpu.py's launcher (torchrun) and entry, for tp
         calls.append((name, args, *launch.values()))
-        return {"variant": name, "returncode": 0, "samples_per_s": speeds[name], "command": " ".join(args)}
+        return {"variant": name, "returncode": 0, "samples_per_s": speeds[name], "loss/train": 1.0 + speeds[name] / 1e3,
+                "command": " ".join(args)}
 
     def checkpoint(args, folder):
         calls.append(("checkpoint", args))
@@ -355,7 +356,7 @@ def test_check_modes_and_fp8_vit2b_give_each_cost_row(tiny_data, tmp_path):
     """--only modes: rollout, forcings and ensemble runs, compute only in the highest ceiling's precision, each
     with its share of that ceiling; a failed mode is named and the others still run. --only fp8_vit2b: vit_2b at
     local batch 4 in bf16_pure and in fp8 (default and rowwise recipes), each fp8 run's ratio to bf16_pure."""
-    from benchmarks.check import MODES, VIT2B_FP8, main
+    from benchmarks.check import MODES, VIT2B_FP8, compare, main
     from utils.core.errors import UserError
     speeds = {"ceiling_bf16": 100.0, "ceiling_bf16_pure": 120.0, "mode_rollout_K2": 60.0,
               "mode_forcings_3": 118.0, "mode_ensemble_crps_M2": 55.0,
@@ -379,6 +380,9 @@ def test_check_modes_and_fp8_vit2b_give_each_cost_row(tiny_data, tmp_path):
     assert metrics["forcings 3 samples/s"] == 118.0
     assert metrics["vit_2b fp8 / bf16_pure"] == pytest.approx(1.2)
     assert metrics["vit_2b fp8 rowwise / bf16_pure"] == pytest.approx(1.3)
+    assert metrics["vit_2b fp8 train loss"] == pytest.approx(1.0084)  # each run's loss, lower is better:
+    assert [r["verdict"] for r in compare({"vit_2b fp8 train loss": 1.06, "x loss": 0.9}, {  # not a stall's slack
+        "vit_2b fp8 train loss": 1.0, "x loss": 1.0}, 0.05)] == ["REGRESSED", "better"]
     # a failed mode: the others run, the failure is named
     calls.clear()
 
