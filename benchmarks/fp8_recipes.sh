@@ -6,8 +6,9 @@
 #
 #   benchmarks/fp8_recipes.sh OUT CONFIG SECONDS [VARIANT ...] [-- train.py options]
 #
-# VARIANT: bf16_pure or an --fp8_recipe (tensorwise, rowwise, rowwise_with_gw_hp), or RECIPE:noattn for fp8
-# with bf16 attention; default all four. SECONDS is the time left for the whole list: each variant gets what
+# VARIANT: bf16_pure or an --fp8_recipe (tensorwise, rowwise, rowwise_with_gw_hp), RECIPE:noattn for fp8
+# with bf16 attention, or RECIPE:noscales for fp8 recomputing the amax reductions under activation checkpointing
+# (--fp8_save_scales false: the saved-amax policy timed on its own); default the first four. SECONDS is the time left for the whole list: each variant gets what
 # remains (a variant started with under 60 s left is skipped), so the script ends inside a device call's limit.
 # Example (one H100, 2026-11-26): benchmarks/fp8_recipes.sh $OUT vit_2b 560 -- --local_batch_size 4
 set -u
@@ -23,6 +24,7 @@ for v in "${variants[@]}"; do
   case $v in
     bf16_pure) mode=(--amp_modes bf16_pure) ;;
     *:noattn) mode=(--amp_modes fp8 --fp8_recipe "${v%:noattn}" --fp8_attention false) ;;
+    *:noscales) mode=(--amp_modes fp8 --fp8_recipe "${v%:noscales}" --fp8_save_scales false) ;;
     *) mode=(--amp_modes fp8 --fp8_recipe "$v") ;;
   esac
   dir="$out/$config/${v/:/_}"; mkdir -p "$dir"; t0=$(date +%s)

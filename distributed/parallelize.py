@@ -253,7 +253,8 @@ def parallelize_model(model: nn.Module, parallel: ParallelConfig, precision: Pre
     if precision.amp_mode == "bf16_pure":
         apply_bf16_residual(model)
     apply_activation_checkpointing(model, precision.activation_checkpointing, precision.ac_every,
-                                   precision.ac_blocks, save_scales=precision.amp_mode == "fp8")
+                                   precision.ac_blocks,
+                                   save_scales=precision.amp_mode == "fp8" and precision.fp8_save_scales)
     if precision.enable_jit:
         if precision.compile_pdl:
             enable_programmatic_dependent_launch()

@@ -136,6 +136,21 @@ def test_full_checkpointing_keeps_the_float8_amax_reductions(recipe):
         assert torch.equal(grads[1][name], grad), name
 
 
+@pytest.mark.parametrize("save", [True, False])
+def test_fp8_save_scales_picks_the_checkpoint_policy(save):
+    """``--fp8_save_scales`` reaches the checkpointed blocks through ``parallelize_model``: with it each block's
+    recompute runs under the scale-saving policy (a ``context_fn``), without it the plain full recompute, the
+    comparison that times the policy."""
+    from distributed.launch import LaunchEnv
+    from distributed.parallelize import parallelize_model
+    from distributed.world import World
+    from utils.config.schema import ParallelConfig
+    precision = fp8(activation_checkpointing="full", fp8_save_scales=save)
+    model = parallelize_model(tiny_vit(), ParallelConfig(), precision, World(LaunchEnv(), torch.device("cpu")))
+    policies = [block.checkpoint_fn.keywords.get("context_fn") for block in model.blocks]
+    assert len(policies) == 2 and all((policy is not None) == save for policy in policies)
+
+
 @pytest.mark.parametrize("img_size,padded", [((32, 64), False), ((20, 36), True)])
 def test_gemms_are_padded_only_when_tokens_per_sample_are_not_a_multiple_of_16(img_size, padded):
     model = tiny_vit(img_size)  # 8 x 16 = 128 tokens per sample; 5 x 9 = 45

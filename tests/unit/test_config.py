@@ -566,6 +566,7 @@ A100, H100 = Launch(cuda=True, cuda_capability=(8, 0)), Launch(cuda=True, cuda_c
     ({"amp_mode": "fp8", "mlp_ratio": "4.1"}, H100, "multiples of 16, but embed_dim is 384 and the MLP .* 1574"),
     ({"fp8_recipe": "rowwise"}, H100, "--fp8_recipe has no effect without --amp_mode fp8; add --amp_mode fp8 or drop"),
     ({"fp8_all_gather": "false", "amp_mode": "bf16"}, H100, "--fp8_all_gather has no effect without --amp_mode fp8"),
+    ({"fp8_save_scales": "false"}, H100, "--fp8_save_scales has no effect without --amp_mode fp8"),
 ])
 def test_cross_field_checks(overrides, launch, pattern):
     with pytest.raises(UserError, match=pattern):

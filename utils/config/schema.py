@@ -31,7 +31,7 @@ HALF_ONLY_ATTENTION = ("cudnn", "cudnn_packed", "flash")
 
 
 # keys that matter only with --amp_mode fp8; float8 tensor cores start with Hopper (sm_90)
-FP8_KEYS = ("fp8_recipe", "fp8_all_gather")
+FP8_KEYS = ("fp8_recipe", "fp8_all_gather", "fp8_save_scales")
 
 
 FP8_MIN_CAPABILITY = (9, 0)
@@ -140,6 +140,9 @@ class PrecisionConfig:
                       "the weight-gradient GEMM in bf16")
     fp8_all_gather: bool = key(True, "fp8 under FSDP with the tensorwise recipe: all-gather weights in float8 (half "
                                      "the bytes of bf16); rowwise recipes gather bf16")
+    fp8_save_scales: bool = key(True, "fp8 with activation checkpointing: a recomputed block keeps the forward's amax "
+                                      "reductions (its float8 scales) instead of recomputing them; false to time "
+                                      "that policy")
     fp8_attention: bool = key(True, "fp8: attention in fp8 too (cuDNN; Hopper at head dim 128, the cudnn extra); "
                                     "elsewhere bf16 attention, and the startup line says why")
     enable_fused: bool = key(False, "fused Adam kernel")
