@@ -201,6 +201,8 @@ CASES = [
          ["--amp_mode fp8 needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer", "use --amp_mode bf16"],
          env={"CUDA_VISIBLE_DEVICES": ""}),
     Case("fp8 recipe without fp8", ["--fp8_recipe", "rowwise"], ["--fp8_recipe has no effect without --amp_mode fp8"]),
+    Case("fp8 saved scales without fp8", ["--fp8_save_scales", "false"],
+         ["--fp8_save_scales has no effect without --amp_mode fp8"]),
     Case("run_num with a slash", ["--run_num", "a/b"], ["must be a plain name"]),
     Case("run_num with a newline", ["--run_num", "00\n"], ["contains the control character '\\n'"]),
     Case("run_num too long", ["--run_num", "r" * 300], ["is 300 bytes, longer than the 255"]),
