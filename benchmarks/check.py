@@ -1,13 +1,14 @@
 r"""Regression guard: rerun the headline measurements on this GPU and compare them with its stored reference.
 
-Run by hand on one GPU (two for ``tp``, ``tp_async`` and ``cp``, two or more for ``scaling``), never in CI (it times
-real training). With data of the real shape:
+Run by hand on one GPU (two for ``tp``, ``tp_async``, ``cp`` and ``fp8_zero3``, two or more for ``scaling``), never in
+CI (it times real training). With data of the real shape:
 
     python -m tools.make_synthetic_data --out /tmp/full --channels 20 --img_size 360 720 --train_years 4 \
         --valid_years 1 --steps_per_year 140 --workers 16 --overwrite
     python benchmarks/check.py --data_path /tmp/full --out $OUT/h100_check.json
     python benchmarks/check.py --only tp tp_async cp --out $OUT/h100_check_tp.json   # on 2 GPUs; no data needed
     python benchmarks/check.py --data_path /tmp/full --only scaling --out $OUT/h100x2_check_scaling.json  # 2+ GPUs
+    python benchmarks/check.py --data_path /tmp/full --only fp8_zero3 --out $OUT/h100x2_check_fp8_zero3.json  # 2 GPUs
 
 The measurements (``--only`` picks some), each a ``train.py`` run of two epochs of ``--config`` (default
 ``short_opt``; its second epoch is reported) or, for the checkpoint stall, ``benchmarks/checkpoint.py``:
@@ -27,20 +28,23 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
 * ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind);
 * ``tp``: on 2 GPUs, ``mp`` with DDP and with tp 2 (the variants of ``benchmarks/multi_gpu.py --suite tp
   --gpus_max 2``, run by its runner): both samples/s and tp 2's share of DDP's per-GPU rate (the tensor-parallel
-  overlap of docs/speed.md). With fewer GPUs it is skipped, and says so; so are the next two.
+  overlap of docs/speed.md). With fewer GPUs it is skipped, and says so; so are the next three.
 * ``tp_async``: the same with torch's asynchronous tensor parallelism (``--async_tp true``), with the sequence-
   parallel gradient all-reduces bucketed (``--sp_grad_bucketing true``) and with tp 2 without sequence
   parallelism: each one's samples/s and share of DDP;
 * ``cp``: cp 2 with the key/value all-gather and with the ring (``--cp_attention ring``): the same;
+* ``fp8_zero3``: on 2 GPUs, ``vit_2b`` with ZeRO-3 at local batch 4, compute only, in bf16_pure and in fp8 with
+  float8 all-gather (the default) and without (``--fp8_all_gather false``): as ``fp8_vit2b`` (samples/s, ratio
+  to bf16_pure, train loss);
 * ``scaling``: on every GPU of this machine (2 or more), DDP weak scaling of ``--config``, compute only, in the
   precision of the highest ceiling, local batch that of one GPU, ``--bucket_cap_mb 200``: samples/s and its
   share of n x the one-GPU ceiling.
 
-Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``) a failed run is named and
-the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The DDP run of
-``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. None of ``modes``, ``fp8_vit2b``,
-``tp_async``, ``cp`` and ``scaling`` has a stored reference yet: their first run on a kind of GPU reports them
-as new.
+Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``, ``fp8_zero3``) a failed run
+is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The
+DDP run of ``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. None of ``modes``,
+``fp8_vit2b``, ``tp_async``, ``cp``, ``fp8_zero3`` and ``scaling`` has a stored reference yet: their first run on a
+kind of GPU reports them as new.
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
@@ -67,9 +71,10 @@ from benchmarks import multi_gpu  # noqa: E402
 from benchmarks.common import ROOT, Results, run_variant, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
 
-MEASUREMENTS = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "tp", "tp_async", "cp", "scaling")
+MEASUREMENTS = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "tp", "tp_async", "cp", "fp8_zero3",
+                "scaling")
 # tp, tp_async and cp run multi_gpu.py's synthetic batches
-NEEDS_DATA = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "scaling")
+NEEDS_DATA = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "fp8_zero3", "scaling")
 TP_GPUS = 2
 TP_METRICS = {"mp_tp1_cp1": "mp DDP 2 GPUs samples/s", "mp_tp2_cp1": "mp tp 2 samples/s"}  # multi_gpu.py's names
 TP_SHARE = "mp tp 2 / DDP per GPU"
@@ -85,6 +90,7 @@ MODES = {"rollout K2": ["--train_rollout_steps", "2"],
          "ensemble crps M2": ["--noise_channels", "4", "--loss", "crps", "--ensemble_members", "2"]}
 VIT2B_BATCH, VIT2B_STEPS = 4, 8  # local batch and steps per epoch of fp8_vit2b
 VIT2B_FP8 = {"fp8": [], "fp8 rowwise": ["--fp8_recipe", "rowwise"]}  # fp8_vit2b's fp8 runs: extra arguments
+VIT2B_ZERO3 = {"fp8": [], "fp8 bf16 all-gather": ["--fp8_all_gather", "false"]}  # fp8_zero3's
 SCALING_BUCKET_MB = "200"  # the measured choice for short on one node (docs/speed.md, round 5)
 SYNTHETIC = ["--data_loader_config", "synthetic"]
 NATIVE = ["--data_loader_config", "pytorch", "--num_data_workers", "8"]
@@ -206,23 +212,32 @@ class Measure:
         self.each("modes", [one(label, extra) for label, extra in MODES.items()])
 
     def fp8_vit2b(self) -> None:
-        """``vit_2b`` at local batch :data:`VIT2B_BATCH`, compute only: bf16_pure, then each fp8 recipe of
-        :data:`VIT2B_FP8`: samples/s and each one's ratio to bf16_pure."""
-        shape = ["--local_batch_size", str(VIT2B_BATCH), "--limit_nsamples", str(VIT2B_BATCH * VIT2B_STEPS)]
+        self.vit2b_fp8("fp8_vit2b", "vit_2b", [], VIT2B_FP8, gpus=1)
+
+    def fp8_zero3(self) -> None:
+        if not self.skip_below("fp8_zero3", TP_GPUS):
+            self.vit2b_fp8("fp8_zero3", "vit_2b ZeRO-3", ["--fsdp", "zero3"], VIT2B_ZERO3, gpus=TP_GPUS)
+
+    def vit2b_fp8(self, measurement: str, prefix: str, parallel: list[str], fp8_runs: dict[str, list[str]],
+                  gpus: int) -> None:
+        """``vit_2b`` at local batch :data:`VIT2B_BATCH` on ``gpus`` GPUs with ``parallel``, compute only:
+        bf16_pure, then each fp8 run of ``fp8_runs`` (label -> extra arguments): samples/s, train loss and each
+        fp8 run's ratio to bf16_pure, as metrics named ``<prefix> <label> ...``."""
+        shape = ["--local_batch_size", str(VIT2B_BATCH), "--limit_nsamples", str(gpus * VIT2B_BATCH * VIT2B_STEPS)]
 
         def train(label: str, args: list[str]) -> float:
-            row = self.train(f"vit2b_{label.replace(' ', '_')}", SYNTHETIC + shape + args, config="vit_2b",
-                             steps=VIT2B_STEPS, measurement="fp8_vit2b")
-            self.metrics[f"vit_2b {label} samples/s"] = row["samples_per_s"]
-            self.metrics[f"vit_2b {label} train loss"] = row["loss/train"]
+            row = self.train(f"{measurement}_{label.replace(' ', '_')}", SYNTHETIC + parallel + shape + args,
+                             config="vit_2b", steps=VIT2B_STEPS, gpus=gpus, measurement=measurement)
+            self.metrics[f"{prefix} {label} samples/s"] = row["samples_per_s"]
+            self.metrics[f"{prefix} {label} train loss"] = row["loss/train"]
             return row["samples_per_s"]
         bf16 = train("bf16_pure", ["--amp_mode", "bf16_pure"])
 
         def one(label: str, args: list[str]) -> Callable[[], None]:
             def run() -> None:
-                self.metrics[f"vit_2b {label} / bf16_pure"] = train(label, ["--amp_mode", "fp8", *args]) / bf16
+                self.metrics[f"{prefix} {label} / bf16_pure"] = train(label, ["--amp_mode", "fp8", *args]) / bf16
             return run
-        self.each("fp8_vit2b", [one(label, args) for label, args in VIT2B_FP8.items()])
+        self.each(measurement, [one(label, args) for label, args in fp8_runs.items()])
 
     def scaling(self) -> None:
         """DDP on every GPU of this machine (2 or more), the one-GPU ceiling's run per GPU: samples/s and its

@@ -360,7 +360,7 @@ def test_check_modes_and_fp8_vit2b_give_each_cost_row(tiny_data, tmp_path):
     from utils.core.errors import UserError
     speeds = {"ceiling_bf16": 100.0, "ceiling_bf16_pure": 120.0, "mode_rollout_K2": 60.0,
               "mode_forcings_3": 118.0, "mode_ensemble_crps_M2": 55.0,
-              "vit2b_bf16_pure": 7.0, "vit2b_fp8": 8.4, "vit2b_fp8_rowwise": 9.1}
+              "fp8_vit2b_bf16_pure": 7.0, "fp8_vit2b_fp8": 8.4, "fp8_vit2b_fp8_rowwise": 9.1}
     calls, run, checkpoint = fake_check_runs(speeds, (0, 0))
     common = ["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(tmp_path / "none.json")]
     out = tmp_path / "check.json"
@@ -399,7 +399,8 @@ def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_
     """--only tp tp_async cp: one DDP run of mp, then tp 2, async tp, bucketed sp gradients, tp 2 without sequence
     parallelism, cp 2 with
     the all-gather and with the ring, each with its share of DDP. --only scaling on 4 GPUs: the one-GPU ceiling,
-    then DDP on 4 at the same local batch with 200 MiB buckets, and its share of 4 x the ceiling."""
+    then DDP on 4 at the same local batch with 200 MiB buckets, and its share of 4 x the ceiling. --only fp8_zero3:
+    vit_2b with ZeRO-3 on 2 GPUs in bf16_pure and fp8 with and without float8 all-gather; skipped on one GPU."""
     from benchmarks.check import TP_SHARE, main
     speeds = {"mp_tp1_cp1": 140.0, "mp_tp2_cp1": 110.0, "mp_tp2_cp1_async": 126.0, "mp_tp2_cp1_nosp": 112.0,
               "mp_tp2_cp1_buckets": 114.0,
@@ -428,6 +429,22 @@ def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_
     assert not main([*common, "--only", "tp_async", "cp"], run=run, gpus=1)
     assert calls == [] and json.loads(out.read_text())["skipped"] == [
         "tp_async (it needs 2 GPUs, this machine has 1)", "cp (it needs 2 GPUs, this machine has 1)"]
+    # fp8 under ZeRO-3: vit_2b on 2 GPUs, bf16_pure then fp8 with and without float8 all-gather
+    speeds.update({"fp8_zero3_bf16_pure": 14.0, "fp8_zero3_fp8": 16.8, "fp8_zero3_fp8_bf16_all-gather": 16.1})
+    assert not main([*common, "--data_path", str(tiny_data), "--only", "fp8_zero3"], run=run, gpus=2)
+    assert [c[0] for c in calls] == ["fp8_zero3_bf16_pure", "fp8_zero3_fp8", "fp8_zero3_fp8_bf16_all-gather"]
+    for name, args, launcher in calls:
+        joined = " ".join(args)
+        assert launcher[-1] == "--nproc_per_node=2" and joined.startswith("--config vit_2b")
+        assert "--fsdp zero3 --local_batch_size 4 --limit_nsamples 64" in joined
+    assert "--amp_mode bf16_pure" in " ".join(calls[0][1]) and "--fp8_all_gather false" in " ".join(calls[2][1])
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["vit_2b ZeRO-3 fp8 / bf16_pure"] == pytest.approx(1.2)
+    assert metrics["vit_2b ZeRO-3 fp8 bf16 all-gather / bf16_pure"] == pytest.approx(16.1 / 14)
+    assert metrics["vit_2b ZeRO-3 fp8 train loss"] == pytest.approx(1.0168)
+    calls.clear()
+    assert not main([*common, "--data_path", str(tiny_data), "--only", "fp8_zero3"], run=run, gpus=1)
+    assert calls == [] and "[fp8_zero3] skipped: it needs 2 GPUs" in capsys.readouterr().out
     # scaling over 4 GPUs of tiny (global batch 8, 64 steps per epoch)
     assert not main([*common, "--data_path", str(tiny_data), "--config", "tiny", "--only", "scaling",
                      "--amp_modes", "bf16_pure"], run=run, gpus=4)
