@@ -8,9 +8,9 @@ exits 1 with a traceback. A job script then cannot tell "requeue me" from "I fai
 launcher (``torch.distributed.run``'s options and agent) in-process and:
 
 * handles SIGTERM, SIGUSR1 and Ctrl-C itself, from its first statement: each worker gets the signal the launcher
-  got (so its preemption line names it; a second Ctrl-C stops them at once) as soon as it catches signals (a
-  signal that came before the workers did waits for them), checkpoints at the next step boundary and exits 75,
-  with no deadline from the launcher;
+  got (so its preemption line names it; a second Ctrl-C stops them at once) as soon as it has exec'd and catches
+  all three (a signal that came before the workers did waits for them), checkpoints at the next step boundary and
+  exits 75, with no deadline from the launcher;
 * exits 130 after a second Ctrl-C (or a Ctrl-C after another signal), as one process does, 75 when the workers
   stopped with 75 (every rank agrees on the step, so any 75 means the job was preempted), else a failed
   worker's own status; workers print their own ``error:``
@@ -62,15 +62,33 @@ def worker_pids(parent: int | None = None) -> list[int]:
     return children
 
 
-def catches(pid: int, signum: int) -> bool:
-    """Whether process ``pid`` has a handler for ``signum`` (``SigCgt`` of ``/proc/<pid>/status``): a worker
-    catches SIGUSR1 once ``train.py``'s first statement ran; before that, SIGUSR1 would kill it."""
+def runs_own_program(pid: int) -> bool:
+    """Whether child ``pid`` has exec'd its program. Until then it is a fork of this launcher, with its command
+    line and signal handlers: a signal sent then is lost at exec or, once Python's vfork child restored the
+    default handlers, kills it, and the other ranks wait for it at the rendezvous. During exec the command
+    line is empty until the handlers have been reset."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return cmdline not in (b"", Path("/proc/self/cmdline").read_bytes())
+
+
+def catches(pid: int, signums: tuple[int, ...] = FORWARDED) -> bool:
+    """Whether process ``pid`` has a handler for each of ``signums`` (``SigCgt`` of ``/proc/<pid>/status``): a
+    worker catches them once ``train.py``'s first statement installed them all; before that, SIGTERM or SIGUSR1
+    would kill it."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
-    return bool(int(mask, 16) >> (signum - 1) & 1)
+    mask = int(next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0"), 16)
+    return all(mask >> (signum - 1) & 1 for signum in signums)
+
+
+def ready(pid: int) -> bool:
+    """Whether worker ``pid`` may be sent a preemption signal. Exec first: a fork's handlers are the launcher's."""
+    return runs_own_program(pid) and catches(pid)
 
 
 def forward_forever() -> None:
@@ -82,7 +100,7 @@ def forward_forever() -> None:
         if not PENDING:
             continue
         for pid in worker_pids():
-            if sent.get(pid, 0) < len(PENDING) and catches(pid, signal.SIGUSR1):
+            if sent.get(pid, 0) < len(PENDING) and ready(pid):
                 try:
                     os.kill(pid, PENDING[sent.get(pid, 0)])
                 except ProcessLookupError:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.dist_utils import subprocess_env
 from tests.jobs import RUN
-from tools.torchrun import worker_pids
+from tools.torchrun import catches, worker_pids
 from utils.core.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,8 +60,9 @@ def test_two_ctrl_c_stop_the_job_at_once_with_130(tiny_data, tmp_path):
 
 def test_a_signal_before_the_workers_start_waits_for_them(tiny_data, tmp_path):
     proc = start(tiny_data, tmp_path)
-    time.sleep(0.3)  # the wrapper is importing torch: no worker exists yet
-    proc.send_signal(signal.SIGTERM)
+    while proc.poll() is None and not catches(proc.pid):  # a sleep could end before the wrapper's first statement
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # the wrapper is importing torch: no worker exists yet
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert "preempted by SIGTERM during start-up: nothing trained" in out, out[-3000:]
@@ -80,3 +81,11 @@ def test_a_worker_killed_by_a_signal_is_named(tiny_data, tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert any(line.startswith("error: rank 1 was killed by SIGKILL") for line in lines), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_worker_is_signalled_once_it_has_exec_d_and_catches_every_signal():
+    """A worker forked but not yet exec'd has the launcher's handlers: the SIGTERM sent it then was lost or killed
+    it, and the other rank waited at the rendezvous until the agent's SIGKILL 30 s later (exit 2, not 75)."""
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "late_worker.py")], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == str(EXIT_PREEMPTED), f"worker exit status {done.stdout}\n{done.stderr[-3000:]}"
