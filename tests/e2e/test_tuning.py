@@ -60,7 +60,9 @@ def test_tool_keeps_to_the_memory_budget_and_its_arguments_train(tiny_data, tmp_
     clean = [t["local_batch_size"] for t in result["trials"] if t["clean"]]
     failed = [t["local_batch_size"] for t in result["trials"] if not t["clean"]]
     assert clean and failed and 8 in clean
-    # the trials bisect down after 128: each measures its own peak, never the larger ones' freed memory
+    # the trials bisect down after 128: each measures its own peak, whatever ran before it, so peaks rise with the batch
+    by_batch = sorted((t["local_batch_size"], t["peak_reserved_bytes"]) for t in result["trials"])
+    assert all(a[1] < b[1] for a, b in zip(by_batch, by_batch[1:])), (by_batch, verdicts(out))
     assert min(failed) > max(clean), verdicts(out)
     assert min(f for f in failed if f > max(clean)) - max(clean) == 8  # bisected to --resolution
     choice = result["choice"]["max-throughput"]  # among those whose global batch fits tiny's 64 training samples

@@ -1,6 +1,6 @@
 """The batch-size tuner's search core (training/tuner/search.py) against a fake step with a memory model: the
 boundary within the promised number of trials, the choices, the deadline, the agreement of two gloo ranks,
-the learning-rate rule, the train.py arguments and the report files."""
+the learning-rate rule, the train.py arguments and the report files; and the CPU trials' host heap setting."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 from distributed.launch import LaunchEnv
 from distributed.world import World
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, subprocess_env
+from tests.forked import run_forked
 from training.tuner.report import plot, report_table, save_json
 from training.tuner.tune import short_epochs, short_runs
 from training.tuner.search import NoCleanTrial, OBJECTIVES, Trial, agree, choice_args, choose, combine, scaled_lr, search
@@ -331,3 +332,26 @@ def test_a_hard_linked_journal_is_refused_before_any_trial(tmp_path):
     os.link(outside, path)
     with pytest.raises(NotOurs, match="tune.journal.jsonl has 2 hard links"):
         Journal(path, {"config": "tiny"}, WORLD)
+
+
+# A process with the CPU trials' heap setting frees buffers from large to small, as the search measures after
+# a failure: glibc's default would then carve the smaller ones from the heap and keep their pages once freed.
+HEAP_PROBE = """
+import torch
+from training.monitor.memory import map_large_host_buffers, trim_host_heap
+from training.monitor.memory_profile import host_memory
+assert map_large_host_buffers()
+torch.ones(8).sum()  # torch's lazy set-up, before the baseline
+trim_host_heap()
+before = host_memory()["host_rss_bytes"]
+for mib in (24, 16, 8):
+    x = torch.ones(mib * 2**18)  # float32, written: resident
+    del x
+print(host_memory()["host_rss_bytes"] - before)
+"""
+
+
+def test_cpu_trials_give_each_freed_buffer_back_after_larger_ones(tmp_path):
+    probe = run_forked(["-c", HEAP_PROBE], tmp_path, subprocess_env())
+    assert probe.returncode == 0, probe.stderr
+    assert int(probe.stdout) < 2**20  # without the setting: 16 MiB kept

@@ -165,17 +165,40 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def trim_host_heap() -> bool:
-    """Give the host heap's free memory back to the kernel (glibc's ``malloc_trim(0)``), so that RSS falls after
-    large tensors are freed: glibc otherwise keeps freed heap pages, and a smaller trial after a larger one would
-    read as large. False where there is no glibc (``man 3 malloc_trim``)."""
+def _glibc_call(name: str, *args: int) -> bool:
+    """glibc's ``name(*args)`` returned nonzero; False where there is no glibc or no such function."""
     import ctypes
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
+        return bool(getattr(libc, name)(*args))
     except (OSError, AttributeError):
         return False
+
+
+def trim_host_heap() -> bool:
+    """Give the host heap's free memory back to the kernel (glibc's ``malloc_trim(0)``), so that RSS falls after
+    large tensors are freed: glibc otherwise keeps freed heap pages, and a smaller trial after a larger one would
+    read as large. False where there is no glibc (``man 3 malloc_trim``)."""
+    return _glibc_call("malloc_trim", 0)
+
+
+# mallopt(3) parameters (glibc's malloc.h) and the defaults glibc starts from
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def map_large_host_buffers() -> bool:
+    """Make glibc give each host buffer of 128 KiB or more a mapping of its own, unmapped when freed: its mmap and
+    trim thresholds set to their starting defaults, which also stops glibc raising them (``man 3 mallopt``).
+
+    Why: glibc raises the mmap threshold (up to 32 MiB) as large buffers are freed, and then carves them from the
+    heap, whose resident size at a peak depends on how earlier allocations left it laid out (earlier trials,
+    address randomization): the same step's peak RSS then varies by several MiB from run to run and with what ran
+    before. With every tensor buffer mapped on its own, peak RSS follows the live tensors. The cost: page faults on
+    every new buffer (slower CPU steps). False where there is no glibc."""
+    return (_glibc_call("mallopt", M_MMAP_THRESHOLD, HEAP_THRESHOLD_BYTES)
+            and _glibc_call("mallopt", M_TRIM_THRESHOLD, HEAP_THRESHOLD_BYTES))
 
 
 def peak_rss_bytes() -> int:

@@ -35,7 +35,8 @@ from distributed.world import World, broadcast_from_main
 from training.loop.rollout import max_rollout_steps
 from training.loop.step import build_training_step, set_attention_backend
 from training.monitor.flops import peak_flops, vit_flops_per_sample
-from training.monitor.memory import GIB, allocator_counters, peak_rss_bytes, reset_peak_rss, trim_host_heap
+from training.monitor.memory import (GIB, allocator_counters, map_large_host_buffers, peak_rss_bytes, reset_peak_rss,
+                                     trim_host_heap)
 from training.tuner.search import Trial
 from utils.config.schema import Config
 from utils.config.validate import batch_sizes
@@ -73,13 +74,16 @@ def _synchronize(device: torch.device) -> None:
 def release(device: torch.device) -> None:
     """Free what a trial left: compiled graphs (each trial compiles for its own shapes, as training
     does), unreachable objects, and the allocator's cached blocks (on CPU, the heap's free pages); reset the
-    peak statistics. On CPU the next trial's peak RSS then starts from what is really in use."""
+    peak statistics. On CPU the next trial's peak RSS then starts from what is really in use, and with each
+    tensor buffer mapped on its own (:func:`map_large_host_buffers`) it grows with the trial's live tensors
+    alone, not with how the heap was left by the trials before."""
     torch.compiler.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        map_large_host_buffers()
         trim_host_heap()
         reset_peak_rss()
 
