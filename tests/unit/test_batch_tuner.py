@@ -137,8 +137,8 @@ def t_(batch, rate, **kw) -> Trial:
 
 def test_choose_objectives_and_tolerance():
     trials = [t_(8, 100.0), t_(16, 150.0), t_(32, 196.0), t_(64, 200.0), t_(96, 200.0),
-              t_(72, 250.0, alloc_retries=2), t_(48, 260.0, over_budget=True), t_(40, 300.0, error="x"),
-              t_(80, None, ooms=1)]
+              t_(104, 250.0, alloc_retries=2), t_(112, 260.0, over_budget=True), t_(120, 300.0, error="x"),
+              t_(128, None, ooms=1)]
     picked = choose(trials)
     assert picked["max-throughput"].local_batch_size == 64  # faster unclean trials lose; a tie goes to 64
     assert picked["min-batch-at-peak"].local_batch_size == 32  # 196 >= 0.98 * 200
@@ -147,8 +147,15 @@ def test_choose_objectives_and_tolerance():
     assert choose(trials, tolerance=0.0)["min-batch-at-peak"].local_batch_size == 64
     with pytest.raises(ValueError):
         choose(trials, tolerance=1.0)
-    with pytest.raises(NoCleanTrial, match="smallest tried, 40, gave error"):
+    with pytest.raises(NoCleanTrial, match="smallest tried, 104, gave retries"):
         choose([t for t in trials if not t.clean])
+    # a clean batch above a failed one of the same setting is never chosen: the boundary is not sharp there
+    noisy = trials + [t_(48, 90.0, over_budget=True)]
+    assert choose(noisy)["max-throughput"].local_batch_size == 32
+    other_setting = trials + [replace(t_(48, 90.0, over_budget=True), setting=1)]
+    assert choose(other_setting)["max-throughput"].local_batch_size == 64
+    with pytest.raises(NoCleanTrial, match="lies above one that failed .local batch 4: over budget"):
+        choose(trials + [t_(4, 50.0, over_budget=True)])
     # a global batch above the training samples is measured but never chosen: its command could not train
     fit = choose(trials, samples=127)
     assert fit["max-throughput"].local_batch_size == 32 and fit["min-batch-at-peak"].local_batch_size == 32

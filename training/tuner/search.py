@@ -259,8 +259,11 @@ class NoCleanTrial(UserError):
 
 
 def choose(trials: list[Trial], tolerance: float = 0.02, samples: int | None = None) -> dict[str, Trial]:
-    """The choice for each objective among the clean trials whose global batch fits in ``samples`` (the
-    training samples of an epoch, when known: a larger global batch measures memory but cannot train):
+    """The choice for each objective among the clean trials below every failed batch of their ``setting`` (a
+    batch that ran clean above one that failed lies where the memory boundary is not sharp: retries or peaks
+    near the limit vary from run to run, so a long run there may fail) and whose global batch fits in
+    ``samples`` (the training samples of an epoch, when known: a larger global batch measures memory but
+    cannot train):
 
     * ``max-throughput``: the highest samples/s (the smaller batch on a tie);
     * ``min-batch-at-peak``: the smallest local batch within ``tolerance`` (a fraction: 0.02 is 2 %)
@@ -268,14 +271,15 @@ def choose(trials: list[Trial], tolerance: float = 0.02, samples: int | None = N
 
     Raises:
         ValueError: ``tolerance`` not in [0, 1).
-        NoCleanTrial: no trial is clean (the message says how the smallest one failed), or every clean
-            one's global batch exceeds ``samples``.
+        NoCleanTrial: no trial is clean (the message says how the smallest one failed), every clean one lies
+            above a failed one, or every clean one's global batch exceeds ``samples``.
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance is a fraction in [0, 1), got {tolerance}")
     clean = [t for t in trials if t.clean]
     if not clean:
         raise NoCleanTrial(_no_clean_message(trials))
+    clean = _below_failures(clean, trials)
     if samples is not None:
         smallest = min(t.global_batch_size for t in clean)
         clean = [t for t in clean if t.global_batch_size <= samples]
@@ -286,6 +290,21 @@ def choose(trials: list[Trial], tolerance: float = 0.02, samples: int | None = N
     best = max(clean, key=lambda t: (t.samples_per_s, -t.local_batch_size))
     near = [t for t in clean if t.samples_per_s >= (1 - tolerance) * best.samples_per_s]
     return {"max-throughput": best, "min-batch-at-peak": min(near, key=lambda t: t.local_batch_size)}
+
+
+def _below_failures(clean: list[Trial], trials: list[Trial]) -> list[Trial]:
+    """The ``clean`` trials below the smallest failed batch of their setting; NoCleanTrial when none is."""
+    failed: dict[int | None, Trial] = {}
+    for t in trials:
+        if not t.clean and (t.setting not in failed or t.local_batch_size < failed[t.setting].local_batch_size):
+            failed[t.setting] = t
+    below = [t for t in clean if t.setting not in failed or t.local_batch_size < failed[t.setting].local_batch_size]
+    if not below:
+        f = min(failed.values(), key=lambda t: t.local_batch_size)
+        raise NoCleanTrial(f"every batch that ran clean lies above one that failed (local batch {f.local_batch_size}: "
+                           f"{f.verdict}), so the memory boundary is not sharp; tune again with a lower --tune_start, "
+                           "or save memory (activation checkpointing, FSDP, bf16)")
+    return below
 
 
 def _no_clean_message(trials: list[Trial]) -> str:
