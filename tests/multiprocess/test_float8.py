@@ -136,19 +136,21 @@ def test_full_checkpointing_keeps_the_float8_amax_reductions(recipe):
         assert torch.equal(grads[1][name], grad), name
 
 
-@pytest.mark.parametrize("save", [True, False])
-def test_fp8_save_scales_picks_the_checkpoint_policy(save):
+@pytest.mark.parametrize("save,compiled,policy", [(True, False, "_scale_policy"), (True, True, "_scale_policy"),
+                                                   (False, True, "_recompute_policy"), (False, False, None)])
+def test_fp8_save_scales_picks_the_checkpoint_policy(save, compiled, policy):
     """``--fp8_save_scales`` reaches the checkpointed blocks through ``parallelize_model``: with it each block's
-    recompute runs under the scale-saving policy (a ``context_fn``), without it the plain full recompute, the
-    comparison that times the policy."""
+    recompute runs under the scale-saving policy (a ``context_fn``); without it, compiled, under the policy that
+    recomputes every op (so that ops inside autograd functions are tagged too), eager the plain full recompute."""
     from distributed.launch import LaunchEnv
     from distributed.parallelize import parallelize_model
     from distributed.world import World
     from utils.config.schema import ParallelConfig
-    precision = fp8(activation_checkpointing="full", fp8_save_scales=save)
+    precision = fp8(activation_checkpointing="full", fp8_save_scales=save, enable_jit=compiled)
     model = parallelize_model(tiny_vit(), ParallelConfig(), precision, World(LaunchEnv(), torch.device("cpu")))
-    policies = [block.checkpoint_fn.keywords.get("context_fn") for block in model.blocks]
-    assert len(policies) == 2 and all((policy is not None) == save for policy in policies)
+    contexts = [block.checkpoint_fn.keywords.get("context_fn") for block in model.blocks]
+    assert len(contexts) == 2
+    assert all((c.args[0].__name__ if c else None) == policy for c in contexts), contexts
 
 
 @pytest.mark.parametrize("img_size,padded", [((32, 64), False), ((20, 36), True)])

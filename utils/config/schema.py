@@ -141,9 +141,8 @@ class PrecisionConfig:
     fp8_all_gather: bool = key(True, "fp8 under FSDP with the tensorwise recipe: all-gather weights in float8 (half "
                                      "the bytes of bf16); rowwise recipes gather bf16")
     fp8_save_scales: bool = key(True, "fp8 with activation checkpointing: a recomputed block keeps the forward's amax "
-                                      "reductions (its float8 scales) instead of recomputing them; false: the plain "
-                                      "recompute, which compiled keeps fp8 attention's output (faster, more memory: "
-                                      "docs/speed.md)")
+                                      "reductions (its float8 scales) instead of recomputing them; false to time "
+                                      "that policy")
     fp8_attention: bool = key(True, "fp8: attention in fp8 too (cuDNN; Hopper at head dim 128, the cudnn extra); "
                                     "elsewhere bf16 attention, and the startup line says why")
     enable_fused: bool = key(False, "fused Adam kernel")
