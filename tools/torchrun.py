@@ -113,6 +113,15 @@ def stopped_at_once() -> bool:
     return signal.SIGINT in PENDING[1:]
 
 
+def _stopped_by_agent(rank: int, failures: dict) -> bool:
+    """Whether ``rank``'s failure looks like the agent's SIGTERM to a survivor, not a cause: killed by SIGTERM no
+    earlier than a second before another failure (the timestamps are whole seconds). A SIGTERM well before
+    every other failure is the cause (the others then waited for that rank, e.g. at the rendezvous)."""
+    mine = failures[rank]
+    others = [f.timestamp for r, f in failures.items() if r != rank]
+    return mine.exitcode == -signal.SIGTERM and not (others and mine.timestamp + 2 <= min(others))
+
+
 def exit_status(failures: dict) -> int:
     """The wrapper's status from the agent's ``{rank: ProcessFailure}``: 75 when the workers were preempted,
     130 when interrupted, else the status of the rank that failed first (2 for a worker killed by a signal, as
@@ -122,8 +131,7 @@ def exit_status(failures: dict) -> int:
         return EXIT_PREEMPTED
     if EXIT_INTERRUPTED in codes:
         return EXIT_INTERRUPTED
-    # the agent's own SIGTERM to the survivors is not the cause; the failure's timestamps are whole seconds
-    rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp, r))
+    rank = min(failures, key=lambda r: (_stopped_by_agent(r, failures), failures[r].timestamp, r))
     code = failures[rank].exitcode
     if code < 0:
         why = " (out of host memory? see dmesg)" if code == -signal.SIGKILL else ""
