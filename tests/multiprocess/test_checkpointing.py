@@ -72,7 +72,8 @@ def test_compiled_full_checkpointing_gives_the_gradients_of_no_checkpointing():
         model.compile()
         x = torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(1))
         model(x).square().mean().backward()
-        grads.append([(name.replace("_checkpoint_wrapped_module.", ""), p.grad) for name, p in model.named_parameters()])
+        grads.append([(name.replace("_checkpoint_wrapped_module.", ""), p.grad)
+                      for name, p in model.named_parameters()])
     for (name, grad), (wrapped, checkpointed) in zip(grads[0], grads[1], strict=True):
         assert name == wrapped
         torch.testing.assert_close(checkpointed, grad, rtol=1e-5, atol=1e-7, msg=name)
