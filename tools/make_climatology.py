@@ -24,7 +24,8 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m tools.make_climatology", description=__doc__.splitlines()[0])
     p.add_argument("data_path", type=Path, help="dataset folder with train/, valid/ and stats/")
     p.add_argument("--max_memory_gib", type=float, default=4.0,
-                   help="memory for the float64 sums; more channels per pass over the data (default 4)")
+                   help="memory for the float64 sums and the smoothed result; more channels per pass over the "
+                        "data (default 4)")
     p.add_argument("--window_days", type=int, default=WINDOW_DAYS,
                    help=f"smoothing window over day of year, odd (default {WINDOW_DAYS}, WeatherBench 2's)")
     return p

@@ -25,7 +25,8 @@ import xarray as xr
 
 from utils.core.errors import UserError
 from utils.data.climatology import Climatology
-from utils.preprocess.climatology_builder import ClimatologyAccumulator, window_weights
+from utils.preprocess.climatology_builder import (ClimatologyAccumulator, climatology_bytes, climatology_fits,
+                                                  window_weights)
 from utils.data.dataset import ERA5Dataset
 from utils.preprocess.synthetic_dataset import make_synthetic_dataset
 from utils.data.layout import CLIMATOLOGY
@@ -97,6 +98,16 @@ def test_climatology_matches_an_xarray_groupby_reference(data):
     time_mean = train.mean("time").values
     # no data within 30 days of day 201: the time mean
     np.testing.assert_allclose(values[200, 1], time_mean, rtol=1e-5, atol=1e-6 * np.abs(time_mean).max())
+
+
+def test_the_data_tools_build_the_climatology_only_where_it_fits_memory():
+    """The smoothed result (366 days x hours of day) counts, not only the sums: 64 steps of 20 fields at 0.5
+    degrees need 28 GiB of float32 for it at their 4 hours of day, which the synthetic generator once allocated
+    (a MemoryError)."""
+    assert climatology_fits(96, (4, 32, 64))
+    assert climatology_bytes(64, (20, 360, 720)) == (64 * 8 + 366 * 24 * 4) * 20 * 360 * 720
+    assert not climatology_fits(64, (20, 360, 720))
+    assert climatology_fits(64, (20, 360, 720), budget=climatology_bytes(64, (20, 360, 720)))
 
 
 def test_make_climatology_tool_recomputes_the_same_file(data, tmp_path):

@@ -22,7 +22,7 @@ from utils.data.climatology import WINDOW_DAYS, days_in_year, hour_of_day
 from utils.data.layout import CLIMATOLOGY, FIELDS, STATS, TRAIN, InputNotFoundError, LayoutError, split_files
 from utils.data.metadata import read_metadata, read_time_axis
 
-ACCUMULATOR_BYTES = 4 << 30  # the data tools accumulate a climatology in one pass up to this size
+ACCUMULATOR_BYTES = 4 << 30  # the data tools build a climatology in one pass up to this size (climatology_bytes)
 
 
 MAX_HOURS = 24  # hours of day a cell table may hold (hourly data)
@@ -34,11 +34,18 @@ def window_weights(size: int = WINDOW_DAYS) -> np.ndarray:
     return np.concatenate([np.linspace(0.0, 1.0, half + 1), np.linspace(1.0, 0.0, half + 1)[1:]])
 
 
+def climatology_bytes(n_steps: int, field_shape: Sequence[int]) -> int:
+    """The most memory a climatology of ``n_steps`` training steps of ``(C, H, W)`` fields takes: its float64
+    sums (at most one cell per step, at most 366 x 24 cells) and the smoothed float32 result (366 days x up to
+    24 hours of day, at most one hour per step), which covers every day whatever the number of steps."""
+    field = int(np.prod(field_shape))
+    return (min(n_steps, 366 * MAX_HOURS) * 8 + 366 * min(n_steps, MAX_HOURS) * 4) * field
+
+
 def climatology_fits(n_steps: int, field_shape: Sequence[int], budget: int = ACCUMULATOR_BYTES) -> bool:
-    """Whether the sums of ``n_steps`` training steps of ``(C, H, W)`` fields (at most one cell each, at most
-    366 x 24 cells) fit ``budget`` bytes of float64 accumulators."""
-    cells = min(n_steps, 366 * MAX_HOURS)
-    return cells * int(np.prod(field_shape)) * 8 <= budget
+    """Whether :func:`climatology_bytes` fits ``budget`` bytes (the data tools then build the climatology as they
+    write the data; else ``python -m tools.make_climatology`` does, a group of channels at a time)."""
+    return climatology_bytes(n_steps, field_shape) <= budget
 
 
 class ClimatologyAccumulator:
@@ -175,8 +182,9 @@ def _write(path: Path, fill) -> Path:
 def make_climatology(data_path: str | Path, budget: int = ACCUMULATOR_BYTES, window: int = WINDOW_DAYS,
                      verbose: bool = False) -> Path:
     """Compute the climatology of an existing dataset's training split and write ``<data_path>/stats/climatology.h5``
-    (``python -m tools.make_climatology``). Channels are accumulated in groups whose float64 sums fit
-    ``budget`` bytes, reading the training files once per group. Returns the file written.
+    (``python -m tools.make_climatology``). Channels are accumulated in groups whose float64 sums and smoothed
+    result fit ``budget`` bytes (:func:`climatology_bytes`; one channel at least), reading the training files
+    once per group. Returns the file written.
 
     Raises:
         InputNotFoundError: no training files. LayoutError: files of different grids or calendars, files without
@@ -197,7 +205,7 @@ def make_climatology(data_path: str | Path, budget: int = ACCUMULATOR_BYTES, win
                           "by day of year; re-create them with python -m tools.convert_era5")
     names, _ = read_metadata(files[0], c, h)
     n_steps = sum(s[0] for s in shapes)
-    group = max(1, budget // (min(n_steps, 366 * MAX_HOURS) * h * w * 8))
+    group = max(1, budget // climatology_bytes(n_steps, (1, h, w)))
     path = Path(data_path) / STATS / CLIMATOLOGY
 
     def fill(f: h5py.File) -> None:
