@@ -34,6 +34,7 @@ def _record(signum: int, frame) -> None:
 for _signum in FORWARDED:  # first: a signal during start-up is kept for the workers, never the default's death
     signal.signal(_signum, _record)
 
+import functools  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -71,7 +72,12 @@ def runs_own_program(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return cmdline not in (b"", Path("/proc/self/cmdline").read_bytes())
+    return cmdline not in (b"", _own_cmdline())
+
+
+@functools.cache
+def _own_cmdline() -> bytes:
+    return Path("/proc/self/cmdline").read_bytes()
 
 
 def catches(pid: int, signums: tuple[int, ...] = FORWARDED) -> bool:

@@ -294,10 +294,8 @@ def choose(trials: list[Trial], tolerance: float = 0.02, samples: int | None = N
 
 def _below_failures(clean: list[Trial], trials: list[Trial]) -> list[Trial]:
     """The ``clean`` trials below the smallest failed batch of their setting; NoCleanTrial when none is."""
-    failed: dict[int | None, Trial] = {}
-    for t in trials:
-        if not t.clean and (t.setting not in failed or t.local_batch_size < failed[t.setting].local_batch_size):
-            failed[t.setting] = t
+    by_size = sorted((t for t in trials if not t.clean), key=lambda t: -t.local_batch_size)
+    failed = {t.setting: t for t in by_size}  # the smallest failure of each setting comes last and stays
     below = [t for t in clean if t.setting not in failed or t.local_batch_size < failed[t.setting].local_batch_size]
     if not below:
         f = min(failed.values(), key=lambda t: t.local_batch_size)
