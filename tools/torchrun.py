@@ -11,7 +11,8 @@ launcher (``torch.distributed.run``'s options and agent) in-process and:
   got (so its preemption line names it; a second Ctrl-C stops them at once) as soon as it has exec'd and catches
   all three (a signal that came before the workers did waits for them), checkpoints at the next step boundary and
   exits 75, with no deadline from the launcher;
-* exits 130 after a second Ctrl-C (or a Ctrl-C after another signal), as one process does, 75 when the workers
+* exits 130 after a second Ctrl-C (or a Ctrl-C after another signal), as one process does (saying
+  ``interrupted`` itself when the workers had stopped before it reached them), 75 when the workers
   stopped with 75 (every rank agrees on the step, so any 75 means the job was preempted), else a failed
   worker's own status; workers print their own ``error:``
   line, and one killed by a signal (the kernel's OOM killer, say) is named in one line here, with status 2 (a
@@ -119,6 +120,16 @@ def stopped_at_once() -> bool:
     return signal.SIGINT in PENDING[1:]
 
 
+def interrupted(failures: dict) -> int:
+    """130 for a job stopped by a second Ctrl-C (or one after another signal). Each worker that Ctrl-C reached
+    printed ``interrupted``; when it reached none (a quick checkpoint let them all stop first, and the forwarder
+    sends nothing to a worker whose handlers are gone), this line says so, else the user sees only their 75."""
+    if all(f.exitcode != EXIT_INTERRUPTED for f in failures.values()):
+        print("interrupted: the workers had stopped before the last Ctrl-C reached them", file=sys.stderr,
+              flush=True)
+    return EXIT_INTERRUPTED
+
+
 def _stopped_by_agent(rank: int, failures: dict) -> bool:
     """Whether ``rank``'s failure looks like the agent's SIGTERM to a survivor, not a cause: killed by SIGTERM no
     earlier than a second before another failure (the timestamps are whole seconds). A SIGTERM well before
@@ -167,7 +178,7 @@ def launch(argv: list[str]) -> int:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
         status = exit_status(exc.failures)
-        return EXIT_INTERRUPTED if stopped_at_once() else status
+        return interrupted(exc.failures) if stopped_at_once() else status
     return 0
 
 
