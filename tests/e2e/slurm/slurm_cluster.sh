@@ -147,7 +147,7 @@ cmd_start() {
     # ---- slurm.conf ----------------------------------------------------------
     local host ncpu mem_mb ctld_port slurmd_port
     host=$(hostname -s)
-    ncpu=$(nproc)
+    ncpu=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the CPUs slurmd finds: GNU nproc honours OMP_*
     mem_mb=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
     ctld_port=$(free_port_from "${SLURM_TEST_PORT_BASE:-6817}")
     slurmd_port=$(free_port_from $((ctld_port + 1)))
