@@ -40,11 +40,12 @@ from pathlib import Path
 out, config = Path(sys.argv[1]), sys.argv[2]
 rows = {p.parent.name: json.loads(p.read_text()) for p in sorted((out / config).glob("*/profile_*.json"))}
 base = rows.get("bf16_pure")
-print(f"| {config} | step ms | samples/s | of bf16_pure | device |")
+print(f"| {config} | step ms | samples/s | of bf16_pure | peak allocated GiB | device |")
 for name, r in rows.items():
     ratio = f"{base['step_ms'] / r['step_ms']:.3f}" if base else "-"
-    print(f"| {name} | {r['step_ms']:.1f} | {r['samples_per_s']:.2f} | {ratio} | {r['device']} |")
-summary = {name: {k: r[k] for k in ("step_ms", "samples_per_s", "profiled_step_ms", "global_batch", "device",
-                                    "torch", "command")} for name, r in rows.items()}
+    peak = r["memory"].get("peak_allocated", r["memory"].get("peak_rss"))
+    print(f"| {name} | {r['step_ms']:.1f} | {r['samples_per_s']:.2f} | {ratio} | {peak:.2f} | {r['device']} |")
+summary = {name: {k: r[k] for k in ("step_ms", "samples_per_s", "profiled_step_ms", "memory", "global_batch",
+                                    "device", "torch", "command")} for name, r in rows.items()}
 (out / f"fp8_recipes_{config}.json").write_text(json.dumps(summary, indent=1))
 EOF

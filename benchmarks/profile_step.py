@@ -6,8 +6,11 @@
 Every option but those below is a ``train.py`` option. Per precision mode (``--amp_modes``; default the
 config's own) the trainer (``training/loop/trainer.py``) is built, ``--warmup_steps`` steps run (compilation
 happens there), ``--steps`` steps are timed without and then with the profiler, and the table of the
-``--rows`` ops with the most device time (CPU time on the CPU) is printed. With ``--out DIR`` each mode's
-step times and every op's averages (``key_averages``: calls, total and self device and CPU time in
+``--rows`` ops with the most device time (CPU time on the CPU) is printed. The timed steps' peak memory is
+recorded too (``memory``: the GiB of ``training/monitor/memory.py``'s ``MemoryTracker``, on CUDA peak allocated
+and reserved and the cudaMalloc retries, on the CPU peak RSS), so a trade of memory for speed (activation
+checkpointing, ``--fp8_save_scales``) shows both sides. With ``--out DIR`` each mode's
+step times, memory and every op's averages (``key_averages``: calls, total and self device and CPU time in
 microseconds) go to ``DIR/profile_<config>_<mode>.json``; with ``--trace`` a Chrome trace per mode beside it
 (open in chrome://tracing or Perfetto). The modes run one after another in this process, each trainer
 closed before the next is built. One process: a single GPU or the CPU.
@@ -66,6 +69,7 @@ def profile_mode(cfg, world, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from training.loop.trainer import Trainer
+    from training.monitor.memory import MemoryTracker, reset_peak_rss
 
     cuda = world.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(world.device)) if cuda else (lambda: None)
@@ -84,21 +88,27 @@ def profile_mode(cfg, world, args) -> dict:
             return (time.perf_counter() - t0) / n * 1e3
 
         steps(args.warmup_steps)
+        tracker = MemoryTracker(world.device)
+        tracker.start_epoch()  # peaks of the timed steps, not of compilation
+        if not cuda:
+            reset_peak_rss()
         plain_ms = steps(args.steps)
+        memory = {k: v for k, v in tracker.end_epoch().items() if not k.endswith("_rank")}
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             profiled_ms = steps(args.steps)
     finally:
         trainer.close()
     mode, samples = cfg.precision.amp_mode, trainer.global_bs
+    peak = memory.get("peak_allocated", memory.get("peak_rss"))
     print(f"{cfg.name} --amp_mode {mode}: step {plain_ms:.1f} ms ({samples / plain_ms * 1e3:.1f} samples/s), "
-          f"profiled {profiled_ms:.1f} ms")
+          f"profiled {profiled_ms:.1f} ms, peak {'allocated' if cuda else 'RSS'} {peak:.2f} GiB")
     averages = prof.key_averages()
     print(averages.table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=args.rows,
                          max_name_column_width=70))
     record = {"config": cfg.name, "amp_mode": mode, "global_batch": samples, "step_ms": plain_ms,
               "samples_per_s": samples / plain_ms * 1e3, "profiled_step_ms": profiled_ms, "steps": args.steps,
-              "ops": op_rows(averages, cuda)}
+              "memory": memory, "ops": op_rows(averages, cuda)}
     if args.out and args.trace:
         prof.export_chrome_trace(str(Path(args.out) / f"profile_{cfg.name}_{mode}.trace.json"))
     return record

@@ -289,9 +289,10 @@ def test_profile_step_saves_each_mode_on_cpu(tmp_path):
     for mode in ("none", "bf16_pure"):
         saved = json.loads((tmp_path / f"profile_tiny_{mode}.json").read_text())
         assert saved["amp_mode"] == mode and saved["device"] == "cpu" and saved["step_ms"] > 0
+        assert 0 < saved["memory"]["peak_rss"] < 64  # GiB, of the timed steps
         names = [op["name"] for op in saved["ops"]]
         assert "aten::addmm" in names and all(op["calls"] > 0 for op in saved["ops"])
-        assert f"--amp_mode {mode}: step" in proc.stdout
+        assert f"--amp_mode {mode}: step" in proc.stdout and "peak RSS" in proc.stdout
 
 
 def test_check_goes_on_after_a_failed_run_and_names_it(tiny_data, tmp_path):
