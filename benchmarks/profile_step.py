@@ -13,7 +13,15 @@ checkpointing, ``--fp8_save_scales``) shows both sides. With ``--out DIR`` each 
 step times, memory and every op's averages (``key_averages``: calls, total and self device and CPU time in
 microseconds) go to ``DIR/profile_<config>_<mode>.json``; with ``--trace`` a Chrome trace per mode beside it
 (open in chrome://tracing or Perfetto). The modes run one after another in this process, each trainer
-closed before the next is built. One process: a single GPU or the CPU.
+closed before the next is built.
+
+One process profiles a single GPU or the CPU; under ``torchrun`` (or ``python -m tools.torchrun``) every rank
+profiles its own steps of the parallel run (DDP, FSDP, tensor and context parallel), so the communication
+kernels (NCCL's, gloo's ops on the CPU) show in each rank's table beside the compute; each rank writes
+``..._rank<r>.json`` (and trace), and rank 0 prints the table:
+
+    torchrun --nproc_per_node 2 benchmarks/profile_step.py --config mp --context_parallel 2 \
+        --data_loader_config synthetic --out $OUT
 """
 
 from __future__ import annotations
@@ -63,8 +71,9 @@ def op_rows(averages, cuda: bool) -> list[dict]:
     return rows[:KEPT_ROWS]
 
 
-def profile_mode(cfg, world, args) -> dict:
-    """Build the trainer of ``cfg``, time and profile its steps; print the table; the mode's record."""
+def profile_mode(cfg, world, args, name: str) -> dict:
+    """Build the trainer of ``cfg``, time and profile its steps; print the table (rank 0); the mode's record;
+    ``name``: the file name of its JSON, without the suffix."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -101,16 +110,18 @@ def profile_mode(cfg, world, args) -> dict:
         trainer.close()
     mode, samples = cfg.precision.amp_mode, trainer.global_bs
     peak = memory.get("peak_allocated", memory.get("peak_rss"))
-    print(f"{cfg.name} --amp_mode {mode}: step {plain_ms:.1f} ms ({samples / plain_ms * 1e3:.1f} samples/s), "
+    rank = f"rank {world.rank}: " if world.world_size > 1 else ""
+    print(f"{rank}{cfg.name} --amp_mode {mode}: step {plain_ms:.1f} ms ({samples / plain_ms * 1e3:.1f} samples/s), "
           f"profiled {profiled_ms:.1f} ms, peak {'allocated' if cuda else 'RSS'} {peak:.2f} GiB")
     averages = prof.key_averages()
-    print(averages.table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=args.rows,
-                         max_name_column_width=70))
+    if world.rank == 0:
+        print(averages.table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=args.rows,
+                             max_name_column_width=70))
     record = {"config": cfg.name, "amp_mode": mode, "global_batch": samples, "step_ms": plain_ms,
               "samples_per_s": samples / plain_ms * 1e3, "profiled_step_ms": profiled_ms, "steps": args.steps,
               "memory": memory, "ops": op_rows(averages, cuda)}
     if args.out and args.trace:
-        prof.export_chrome_trace(str(Path(args.out) / f"profile_{cfg.name}_{mode}.trace.json"))
+        prof.export_chrome_trace(str(Path(args.out) / f"{name}.trace.json"))
     return record
 
 
@@ -134,18 +145,20 @@ def main(argv: list[str]) -> None:
     for mode in args.amp_modes or [base.precision.amp_mode]:
         cfg = copy.deepcopy(base)
         cfg.precision.amp_mode = mode
-        cfg.logging.run_num = f"profile_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"  # a new run: never one to continue
+        cfg.logging.run_num = "auto"  # with --resume never: the next free number, agreed by every rank
         validate(cfg, validation_launch(launch))  # every mode's bad input before the first is built
         configs.append(cfg)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     with distributed_session(base.parallel, launch) as world:
         for cfg in configs:
-            record = profile_mode(cfg, world, args)
+            name = f"profile_{cfg.name}_{cfg.precision.amp_mode}" + (f"_rank{world.rank}" if world.world_size > 1
+                                                                      else "")
+            record = profile_mode(cfg, world, args, name)
             record.update(device=torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else "cpu",
                           torch=torch.__version__, command=" ".join([sys.executable, __file__, *argv]))
             if args.out:
-                path = Path(args.out) / f"profile_{cfg.name}_{cfg.precision.amp_mode}.json"
+                path = Path(args.out) / f"{name}.json"
                 path.write_text(json.dumps(record, indent=1))
                 print(f"saved {path}")
 

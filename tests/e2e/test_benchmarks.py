@@ -295,6 +295,23 @@ def test_profile_step_saves_each_mode_on_cpu(tmp_path):
         assert f"--amp_mode {mode}: step" in proc.stdout and "peak RSS" in proc.stdout
 
 
+def test_profile_step_profiles_every_rank_of_a_context_parallel_run(tmp_path):
+    """Under the launcher each rank profiles its own steps and saves them; the key/value all-gather of cp 2 shows
+    in each rank's ops; only rank 0 prints the table."""
+    cmd = [sys.executable, "-m", "tools.torchrun", "--standalone", "--nproc_per_node=2", "benchmarks/profile_step.py",
+           "--config", "tiny", "--context_parallel", "2", "--data_loader_config", "synthetic", "--warmup_steps", "1",
+           "--steps", "1", "--rows", "5", "--out", str(tmp_path), "--expdir", str(tmp_path / "runs")]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        saved = json.loads((tmp_path / f"profile_tiny_none_rank{rank}.json").read_text())
+        assert "gloo:all_gather" in [op["name"] for op in saved["ops"]] and saved["memory"]["peak_rss"] > 0
+        assert f"rank {rank}: tiny --amp_mode none: step" in proc.stdout
+    assert proc.stdout.count("Self CPU time total") == 1 and not (tmp_path / "profile_tiny_none.json").exists()
+    assert [p.name for p in (tmp_path / "runs" / "tiny" / "2CPU").iterdir()] == ["00"]  # one run, both ranks
+
+
 def test_check_goes_on_after_a_failed_run_and_names_it(tiny_data, tmp_path):
     from benchmarks.check import main
     from utils.core.errors import UserError
