@@ -102,7 +102,7 @@ def profile_mode(cfg, world, args, name: str) -> dict:
         if not cuda:
             reset_peak_rss()
         plain_ms = steps(args.steps)
-        memory = {k: v for k, v in tracker.end_epoch().items() if not k.endswith("_rank")}
+        memory = tracker.local_stats()  # this rank's own, as its ops
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             profiled_ms = steps(args.steps)
