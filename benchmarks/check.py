@@ -32,8 +32,7 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
 * ``tp_async``: the same with torch's asynchronous tensor parallelism (``--async_tp true``), with the sequence-
   parallel gradient all-reduces bucketed (``--sp_grad_bucketing true``) and with tp 2 without sequence
   parallelism: each one's samples/s and share of DDP;
-* ``cp``: cp 2 with the key/value all-gather, with it pipelined over head groups (``--cp_attention pipelined``)
-  and with the ring (``--cp_attention ring``): the same;
+* ``cp``: cp 2 with the key/value all-gather and with the ring (``--cp_attention ring``): the same;
 * ``fp8_zero3``: on 2 GPUs, ``vit_2b`` with ZeRO-3 at local batch 4, compute only, in bf16_pure and in fp8 with
   float8 all-gather (the default) and without (``--fp8_all_gather false``): as ``fp8_vit2b`` (samples/s, ratio
   to bf16_pure, train loss);
@@ -84,8 +83,7 @@ DDP_VARIANT = "mp_tp1_cp1"
 TWO_GPU = {"tp": {"mp_tp2_cp1": "mp tp 2"},
            "tp_async": {"mp_tp2_cp1_async": "mp tp 2 async", "mp_tp2_cp1_buckets": "mp tp 2 sp grad buckets",
                         "mp_tp2_cp1_nosp": "mp tp 2 without sp"},
-           "cp": {"mp_tp1_cp2": "mp cp 2", "mp_tp1_cp2_pipelined": "mp cp 2 pipelined",
-                  "mp_tp1_cp2_ring": "mp cp 2 ring"}}
+           "cp": {"mp_tp1_cp2": "mp cp 2", "mp_tp1_cp2_ring": "mp cp 2 ring"}}
 # the training modes' extra train.py arguments (measurement modes), by the label of their metrics
 MODES = {"rollout K2": ["--train_rollout_steps", "2"],
          "forcings 3": ["--forcings", "[cos_solar_zenith_angle,sin_local_time,cos_local_time]"],

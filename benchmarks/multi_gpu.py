@@ -95,9 +95,8 @@ def tp(args) -> list[tuple]:
                      "--context_parallel", str(cp_size), "--local_batch_size", "16",
                      "--limit_nsamples", str(16 * dp * args.steps), "--sequence_parallel", str(sp).lower()]
                     + OPT + data)
-        if cp_size > 1:  # the ways of reaching the other ranks' keys/values
+        if cp_size > 1:  # both ways of reaching the other ranks' keys/values
             out += [(name, n, run_args + ["--cp_attention", "all_gather"]),
-                    (f"{name}_pipelined", n, run_args + ["--cp_attention", "pipelined"]),
                     (f"{name}_ring", n, run_args + ["--cp_attention", "ring"])]
         else:
             out.append((name, n, run_args))

@@ -52,12 +52,9 @@ from distributed.mappings import (all_gather_uneven, column_parallel_linear, com
                                   copy_to_parallel_region, gather_from_parallel_region,
                                   gather_from_sequence_parallel_region, group_rank, group_size, row_parallel_linear,
                                   scatter_to_parallel_region)
-from distributed.pipelined_attention import pipelined_attention
 from distributed.ring_attention import ring_attention
 from distributed.sequence_parallel import CHUNKS, sequence_parallel_column_linear, sequence_parallel_row_linear
 from distributed.world import local_tensor
-
-CP_ATTENTION = ("all_gather", "pipelined", "ring")  # how context-parallel attention reaches the other keys
 
 
 def parallel_param(dense: torch.Tensor, mesh: DeviceMesh | None, placement: Placement) -> nn.Parameter:
@@ -261,9 +258,7 @@ class DistributedAttention(nn.Module):
       ``O_r = softmax(Q_r K^T / sqrt(d)) V`` over all ``N`` tokens (``F.scaled_dot_product_attention``).
       With ``cp_attention="ring"`` they are passed around the CP ranks behind the attention of the chunk in
       hand instead (:func:`distributed.ring_attention.ring_attention`; ``attention_backend`` picks its CUDA
-      kernel): the same ``O_r``. With ``cp_attention="pipelined"`` the all-gather (and its backward's
-      reduce-scatter) goes head group by head group behind the attention of the group before
-      (:func:`distributed.pipelined_attention.pipelined_attention`, the same kernels).
+      kernel): the same ``O_r``.
     * ``proj`` is row-parallel over the local heads' features; its all-reduce sums heads.
 
     ``seq_len`` (total tokens ``N``) fixes the CP split to ``compute_split_shapes(N, cp)``; when None the
@@ -286,8 +281,8 @@ class DistributedAttention(nn.Module):
         tp = group_size(tp_group(tp_mesh))
         if module.num_heads < tp:
             raise ValueError(f"{module.num_heads} heads cannot be split over {tp} TP ranks")
-        if cp_attention not in CP_ATTENTION:
-            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {cp_attention!r}")
+        if cp_attention not in ("all_gather", "ring"):
+            raise ValueError(f"cp_attention must be 'all_gather' or 'ring', got {cp_attention!r}")
         self.cp_attention, self.attention_backend = cp_attention, attention_backend
         seq_shapes = seq_shapes if tp > 1 else None
         self.groups = Groups(tp_mesh, cp_group, seq_shapes is not None)
@@ -316,9 +311,8 @@ class DistributedAttention(nn.Module):
         qkv = qkv.unflatten(-1, (3, self.local_heads, self.head_dim)).permute(2, bat, 3, tok, 4)
         q, kv = qkv[0], qkv[1:]  # (B, h, n, d), (2, B, h, n, d)
         cp = self.groups.cp
-        if group_size(cp) > 1 and self.cp_attention != "all_gather":
-            attend = ring_attention if self.cp_attention == "ring" else pipelined_attention
-            out = attend(q, kv[0], kv[1], self._seq_shapes(n, x.device), cp, self.attention_backend)
+        if group_size(cp) > 1 and self.cp_attention == "ring":
+            out = ring_attention(q, kv[0], kv[1], self._seq_shapes(n, x.device), cp, self.attention_backend)
         else:
             if group_size(cp) > 1:  # one collective for K and V: (2, B, h, n_r, d) -> (2, B, h, N, d)
                 kv = gather_from_sequence_parallel_region(kv, 3, self._seq_shapes(n, x.device), cp)

@@ -183,7 +183,7 @@ class _RingAttention(torch.autograd.Function):
                 chunks.append(_finish_pass(pending, _chunk_shape(chunks[s], incoming)))
         out = q.new_zeros(q.shape) if out is None else out.to(q.dtype)
         lse = q.new_zeros(q.shape[:3], dtype=torch.float32) if lse is None else lse  # no queries: unread
-        flat, ctx.layout = flatten_aux(auxes)
+        flat, ctx.layout = _flatten_aux(auxes)
         ctx.save_for_backward(q, out, lse, *chunks, *flat)
         ctx.shapes, ctx.rank, ctx.group_name, ctx.kernel = shapes, rank, group_name, kernel
         return out
@@ -192,7 +192,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, out, lse, *rest = ctx.saved_tensors
         shapes, rank, kernel, size = ctx.shapes, ctx.rank, ctx.kernel, len(ctx.shapes)
-        chunks, auxes = rest[:size], unflatten_aux(rest[size:], ctx.layout)
+        chunks, auxes = rest[:size], _unflatten_aux(rest[size:], ctx.layout)
         dout = dout if dout.stride() == out.stride() else torch.empty_like(out).copy_(dout)  # the kernels' layout
         wide = torch.promote_types(q.dtype, torch.float32)  # the sums' dtype
         dq = pending = None
@@ -229,14 +229,14 @@ def _chunk_numel(kv: torch.Tensor, tokens: int) -> int:
 _SAVED = "saved tensor"  # a tensor's place in an aux layout (a kernel may return None among its aux)
 
 
-def flatten_aux(auxes: list[tuple]) -> tuple[list[torch.Tensor], list[list]]:
+def _flatten_aux(auxes: list[tuple]) -> tuple[list[torch.Tensor], list[list]]:
     """The kernels' aux tuples as (tensors, for ``save_for_backward``; the tuples with those marked ``_SAVED``)."""
     tensors = [a for aux in auxes for a in aux if isinstance(a, torch.Tensor)]
     layout = [[_SAVED if isinstance(a, torch.Tensor) else a for a in aux] for aux in auxes]
     return tensors, layout
 
 
-def unflatten_aux(tensors: Sequence[torch.Tensor], layout: list[list]) -> list[tuple]:
+def _unflatten_aux(tensors: Sequence[torch.Tensor], layout: list[list]) -> list[tuple]:
     it = iter(tensors)
     return [tuple(next(it) if isinstance(a, str) and a == _SAVED else a for a in aux) for aux in layout]
 

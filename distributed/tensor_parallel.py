@@ -40,9 +40,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from distributed.layers import (CP_ATTENTION, DistributedAttention, DistributedLayerNorm, DistributedMLP,
-                                DistributedPatchEmbed, Groups, ReplicatedLinear, parallel_param, replicated_param,
-                                tp_group)
+from distributed.layers import (DistributedAttention, DistributedLayerNorm, DistributedMLP, DistributedPatchEmbed,
+                                Groups, ReplicatedLinear, parallel_param, replicated_param, tp_group)
 from distributed.mappings import gather_from_parallel_region, group_size
 from networks.vit import Attention, VisionTransformer
 
@@ -55,8 +54,8 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
                                   sequence_parallel: bool = False, cp_attention: str = "all_gather",
                                   attention_backend: str = "auto") -> VisionTransformer:
     """Convert ``model`` in place to TP over ``tp_mesh`` and CP over ``cp_group``, with sequence parallelism
-    over TP if ``sequence_parallel`` (ignored without TP); returns it. ``cp_attention`` (``all_gather``,
-    ``pipelined`` or ``ring``) and ``attention_backend`` go to every :class:`DistributedAttention`.
+    over TP if ``sequence_parallel`` (ignored without TP); returns it. ``cp_attention`` (``all_gather`` or
+    ``ring``) and ``attention_backend`` go to every :class:`DistributedAttention`.
 
     Every rank must hold the same dense model (same seed or loaded checkpoint): each rank keeps its TP shard
     of it, so the parallel run starts from exactly the single-process initialization. ``None`` (or one rank)
@@ -77,8 +76,8 @@ def apply_tensor_context_parallel(model: VisionTransformer, tp_mesh: DeviceMesh 
     tp, cp, n = group_size(tp_group(tp_mesh)), group_size(cp_group), model.patch_embed.num_patches
     if cp > n:
         raise ValueError(f"{cp} CP ranks but only {n} tokens")
-    if cp_attention not in CP_ATTENTION:
-        raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {cp_attention!r}")
+    if cp_attention not in ("all_gather", "ring"):
+        raise ValueError(f"cp_attention must be 'all_gather' or 'ring', got {cp_attention!r}")
     for i, blk in enumerate(model.blocks):
         if blk.attn.num_heads < tp:
             raise ValueError(f"block {i} has {blk.attn.num_heads} heads, fewer than {tp} TP ranks")

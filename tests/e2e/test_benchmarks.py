@@ -416,21 +416,20 @@ def test_check_modes_and_fp8_vit2b_give_each_cost_row(tiny_data, tmp_path):
 def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_data, tmp_path, capsys):
     """--only tp tp_async cp: one DDP run of mp, then tp 2, async tp, bucketed sp gradients, tp 2 without sequence
     parallelism, cp 2 with
-    the all-gather, pipelined and with the ring, each with its share of DDP. --only scaling on 4 GPUs: the one-GPU ceiling,
+    the all-gather and with the ring, each with its share of DDP. --only scaling on 4 GPUs: the one-GPU ceiling,
     then DDP on 4 at the same local batch with 200 MiB buckets, and its share of 4 x the ceiling. --only fp8_zero3:
     vit_2b with ZeRO-3 on 2 GPUs in bf16_pure and fp8 with and without float8 all-gather; skipped on one GPU."""
     from benchmarks.check import TP_SHARE, main
     speeds = {"mp_tp1_cp1": 140.0, "mp_tp2_cp1": 110.0, "mp_tp2_cp1_async": 126.0, "mp_tp2_cp1_nosp": 112.0,
               "mp_tp2_cp1_buckets": 114.0,
-              "mp_tp1_cp2": 125.0, "mp_tp1_cp2_pipelined": 136.0, "mp_tp1_cp2_ring": 133.0, "ceiling_bf16_pure": 180.0, "scaling_4gpu": 700.0}
+              "mp_tp1_cp2": 125.0, "mp_tp1_cp2_ring": 133.0, "ceiling_bf16_pure": 180.0, "scaling_4gpu": 700.0}
     calls, run, _ = fake_check_runs(speeds, (0, 0))
     out = tmp_path / "levers.json"
     common = ["--reference", str(tmp_path / "none.json"), "--expdir", str(tmp_path / "runs"), "--out", str(out)]
     assert not main([*common, "--only", "tp", "tp_async", "cp"], run=run, gpus=2)
     assert [c[0] for c in calls] == ["mp_tp1_cp1", "mp_tp2_cp1", "mp_tp2_cp1_async", "mp_tp2_cp1_buckets",
-                                     "mp_tp2_cp1_nosp", "mp_tp1_cp2", "mp_tp1_cp2_pipelined", "mp_tp1_cp2_ring"]
-    assert "--async_tp true" in " ".join(calls[2][1]) and "--cp_attention ring" in " ".join(calls[7][1])
-    assert "--cp_attention pipelined" in " ".join(calls[6][1])
+                                     "mp_tp2_cp1_nosp", "mp_tp1_cp2", "mp_tp1_cp2_ring"]
+    assert "--async_tp true" in " ".join(calls[2][1]) and "--cp_attention ring" in " ".join(calls[6][1])
     assert "--sp_grad_bucketing true" in " ".join(calls[3][1])
     assert all(c[2][-1] == "--nproc_per_node=2" for c in calls)
     saved = json.loads(out.read_text())
@@ -441,9 +440,8 @@ def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_
     assert metrics["mp tp 2 sp grad buckets / DDP per GPU"] == pytest.approx(114 / 140)
     assert metrics["mp cp 2 / DDP per GPU"] == pytest.approx(125 / 140)
     assert metrics["mp cp 2 ring / DDP per GPU"] == pytest.approx(133 / 140)
-    assert metrics["mp cp 2 pipelined / DDP per GPU"] == pytest.approx(136 / 140)
     assert [r["measurement"] for r in saved["results"]] == ["tp", "tp", "tp_async", "tp_async", "tp_async", "cp",
-                                                            "cp", "cp"]
+                                                            "cp"]
     # one GPU: each two-GPU measurement skipped and said
     calls.clear()
     assert not main([*common, "--only", "tp_async", "cp"], run=run, gpus=1)

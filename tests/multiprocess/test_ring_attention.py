@@ -1,11 +1,8 @@
-"""Ring attention (``distributed/ring_attention.py``) and the pipelined all-gather
-(``distributed/pipelined_attention.py``) against single-process attention.
+"""Ring attention (``distributed/ring_attention.py``) against single-process attention.
 
 The log-sum-exp merge on one process; the ring on 2 and 3 gloo ranks (uneven chunks: 7 tokens over 3 ranks are
 3 + 3 + 1, 2 tokens over 3 are 1 + 1 + 0) in fp64, fp32 and under bf16 autocast, eagerly and compiled; a short
-``tiny`` training run with ``--context_parallel 2 --cp_attention ring`` (and ``pipelined``) against one process.
-The pipelined all-gather the same way, with 1, 3 and 5 heads (one head group, three of one head, four of 1 + 1 +
-1 + 2).
+``tiny`` training run with ``--context_parallel 2 --cp_attention ring`` against one process.
 
 Tolerances (absolute and relative, against fp64 attention of all tokens on one process; the largest errors
 measured at 7 tokens over 2 and 3 ranks in brackets): fp64 1e-10 (1.1e-15), fp32 1e-5 (7.2e-7), bf16 autocast
@@ -25,7 +22,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from distributed.layers import DistributedAttention
 from distributed.mappings import compute_split_shapes, group_rank, group_size
-from distributed.pipelined_attention import head_groups, pipelined_attention
 from distributed.ring_attention import (attention_kernel, chunk_attention, chunk_attention_backward,
                                         merge_attention, ring_attention)
 from networks.vit import Attention
@@ -128,13 +124,13 @@ def _local(t, shapes, rank):
     return t.narrow(2, sum(shapes[:rank]), shapes[rank])
 
 
-def _check_ring(n, dtype, tol, tag, autocast=False, attend=ring_attention, heads=3):
-    """This rank's ring (or pipelined) attention of ``n`` tokens against single-process attention of all of
-    them: the output and the q, k, v gradients of this rank's tokens."""
+def _check_ring(n, dtype, tol, tag, autocast=False, attend=ring_attention):
+    """This rank's ring attention of ``n`` tokens against single-process attention of all of them: the output
+    and the q, k, v gradients of this rank's tokens."""
     group = torch.distributed.group.WORLD
     size, rank = group_size(group), group_rank(group)
     shapes = compute_split_shapes(n, size)
-    q, k, v, dout = (_rand((2, heads, n, 8), seed, dtype) for seed in (1, 2, 3, 4))
+    q, k, v, dout = (_rand((2, 3, n, 8), seed, dtype) for seed in (1, 2, 3, 4))
     want = _reference(q, k, v, dout)
     mine = [_local(t, shapes, rank).clone().requires_grad_() for t in (q, k, v)]
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
@@ -146,14 +142,13 @@ def _check_ring(n, dtype, tol, tag, autocast=False, attend=ring_attention, heads
         _close(t.grad, _local(g, shapes, rank), tol, f"{tag} {name}")
 
 
-def _check_layer(world, mode):
-    """``DistributedAttention`` with the ring (or the pipelined all-gather): the dense layer's output and input
-    gradient on this rank's tokens, its parameter gradients summed over the ranks (what data parallelism over cp
-    does)."""
+def _check_layer(world):
+    """``DistributedAttention`` with the ring: the dense layer's output and input gradient on this rank's tokens,
+    its parameter gradients summed over the ranks (what data parallelism over cp does)."""
     group = torch.distributed.group.WORLD
     torch.manual_seed(0)
     dense = Attention(6, 3).double()
-    layer = DistributedAttention(copy.deepcopy(dense), None, group, seq_len=7, cp_attention=mode)
+    layer = DistributedAttention(copy.deepcopy(dense), None, group, seq_len=7, cp_attention="ring")
     x, g = _rand((2, 7, 6), 5), _rand((2, 7, 6), 6)
     xr = x.clone().requires_grad_()
     (dense(xr) * g).sum().backward()
@@ -172,7 +167,7 @@ def _check_layer(world, mode):
 
 
 def _ring_worker(rank, world):
-    _check_layer(world, "ring")
+    _check_layer(world)
     for n in (7, 2, 16):  # uneven; with an empty chunk at 3 ranks; even
         _check_ring(n, torch.float64, F64, f"fp64 {n} tokens")
     _check_ring(7, torch.float32, F32, "fp32 7 tokens")
@@ -186,30 +181,6 @@ def _ring_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_attention_equals_single_process(world):
     run_distributed(_ring_worker, world)
-
-
-def _pipelined_worker(rank, world):
-    _check_layer(world, "pipelined")
-    for n, heads in ((7, 5), (2, 3), (16, 1)):  # uneven over 4 head groups; an empty chunk at 3 ranks; one group
-        _check_ring(n, torch.float64, F64, f"pipelined fp64 {n} tokens {heads} heads", attend=pipelined_attention,
-                    heads=heads)
-    _check_ring(7, torch.float32, BF16, "pipelined bf16 autocast", autocast=True, attend=pipelined_attention)
-    compiled = torch.compile(pipelined_attention, backend="aot_eager", fullgraph=True)
-    _check_ring(7, torch.float64, F64, "pipelined compiled", attend=compiled, heads=5)
-    with pytest.raises(ValueError, match="split"):
-        pipelined_attention(*(_rand((1, 1, 5, 4), 0) for _ in range(3)), [4] * world, torch.distributed.group.WORLD)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_pipelined_attention_equals_single_process(world):
-    run_distributed(_pipelined_worker, world)
-
-
-def test_head_groups_cover_every_head_once():
-    assert head_groups(8) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert head_groups(5) == [(0, 1), (1, 2), (2, 3), (3, 5)]
-    assert head_groups(3) == [(0, 1), (1, 2), (2, 3)]
-    assert head_groups(1) == [(0, 1)]
 
 
 def _tp_cp_worker(rank, world):
@@ -227,15 +198,14 @@ def _tp_cp_worker(rank, world):
         if sp:
             x = x.narrow(1, sum(seq[:group_rank(tp.get_group())]), seq[group_rank(tp.get_group())])
         results = []
-        for mode in ("all_gather", "ring", "pipelined"):
+        for mode in ("all_gather", "ring"):
             layer = DistributedAttention(copy.deepcopy(dense), tp, cp, seq_len=7, seq_shapes=seq, cp_attention=mode)
             xl = x.clone().requires_grad_()
             out = layer(xl)
             (out * _rand(out.shape, 6)).sum().backward()
             results.append([out, xl.grad] + [p.grad.to_local() for p in layer.parameters()])
-        for other, mode in zip(results[1:], ("ring", "pipelined")):
-            for a, b in zip(results[0], other):
-                _close(a, b, F64, f"sp={sp} {mode} vs all-gather")
+        for a, b in zip(*results):
+            _close(a, b, F64, f"sp={sp} ring vs all-gather")
 
 
 def test_ring_under_tensor_and_sequence_parallelism():
@@ -254,14 +224,12 @@ def single(tiny_data, tmp_path_factory):
     return train_checkpoint(tiny_params(tiny_data, tmp_path_factory.mktemp("single"), **STEPS))
 
 
-@pytest.mark.parametrize("overrides", [{"cp_attention": "ring"},
-                                       {"cp_attention": "ring", "activation_checkpointing": "selective", "ac_every": 0},
-                                       {"cp_attention": "pipelined"}],
-                         ids=["ring", "ring-op-level-checkpointing", "pipelined"])
+@pytest.mark.parametrize("overrides", [{}, {"activation_checkpointing": "selective", "ac_every": 0}],
+                         ids=["plain", "op-level-checkpointing"])
 def test_cp2_ring_training_matches_single_process(tiny_data, tmp_path, single, overrides):
     """The op-level checkpointing policy keeps the attention kernels' outputs and recomputes the rest of the
     block, the ring's passes included."""
     run_distributed(train_on_ranks, 2, str(tiny_data), str(tmp_path / "cp2"),
-                    {**STEPS, **overrides, "context_parallel": 2})
+                    {**STEPS, **overrides, "context_parallel": 2, "cp_attention": "ring"})
     ring = torch.load(tmp_path / "cp2" / "tiny" / "2CPU" / "00" / "checkpoints" / "model.pt")["model"]
     assert_state_close(single, ring, atol=1e-5)

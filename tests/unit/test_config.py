@@ -545,9 +545,6 @@ A100, H100 = Launch(cuda=True, cuda_capability=(8, 0)), Launch(cuda=True, cuda_c
      Launch(world_size=2, cuda=True), "not --attention_backend efficient"),
     ({"context_parallel": "2", "cp_attention": "ring", "amp_mode": "bf16", "num_heads": "1"},
      Launch(world_size=2, cuda=True), "needs a head dim up to 256 on GPUs .* embed_dim / num_heads is 384"),
-    ({"context_parallel": "2", "cp_attention": "pipelined"}, Launch(world_size=2, cuda=True),
-     "--cp_attention pipelined runs FlashAttention-2 or cuDNN on GPUs, which need bf16 or fp16, but --amp_mode is "
-     "none"),
     ({"sp_grad_bucketing": "true", "tensor_parallel": "2", "enable_jit": "true"}, Launch(world_size=2),
      "--sp_grad_bucketing merges the gradient all-reduces that sequence parallelism adds, in compiled graphs; add "
      "--tensor_parallel 2"),

@@ -186,11 +186,10 @@ class ParallelConfig:
     sp_grad_bucketing: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled: inductor merges the "
                                          "tp all-reduces of the replicated parameters' gradients (LayerNorms, biases, "
                                          "embeddings) into one bucket per compiled graph (docs/parallelism.md)")
-    cp_attention: Literal["all_gather", "pipelined", "ring"] = key(
+    cp_attention: Literal["all_gather", "ring"] = key(
         "all_gather", "context_parallel > 1: how attention reaches the other ranks' keys/values: all_gather them "
-                      "first; pipelined: all-gather them head group by head group, each group's attention hiding "
-                      "the next group's gather; or ring: pass them around the ranks behind the attention of the "
-                      "chunk in hand (docs/parallelism.md)")
+                      "first, or ring: pass them around the ranks behind the attention of the chunk in hand "
+                      "(docs/parallelism.md)")
     parallel_order: Literal["tp-cp-dp", "cp-tp-dp", "tp-dp-cp", "cp-dp-tp", "dp-tp-cp", "dp-cp-tp"] = key(
         "tp-cp-dp", "mesh dimension order, innermost (adjacent ranks) first")
     bucket_cap_mb: int = key(25, "DDP gradient bucket size, MiB", AT_LEAST_1)

@@ -265,23 +265,22 @@ def _check_parallel(cfg: Config, launch: Launch) -> None:
         raise UserError("--sp_grad_bucketing merges the gradient all-reduces that sequence parallelism adds, in "
                         "compiled graphs; add --tensor_parallel 2 (or more) --sequence_parallel true --enable_jit "
                         "true, or drop --sp_grad_bucketing")
-    if par.cp_attention in ("ring", "pipelined") and par.context_parallel > 1 and launch.cuda:
-        _check_cp_kernels_on_cuda(cfg)
+    if par.cp_attention == "ring" and par.context_parallel > 1 and launch.cuda:
+        _check_ring_on_cuda(cfg)
 
 
-def _check_cp_kernels_on_cuda(cfg: Config) -> None:
-    """The CUDA kernels of the ring and the pipelined all-gather (``distributed/ring_attention.py``,
-    ``attention_kernel``): FlashAttention-2 or cuDNN, in bf16/fp16, head dim up to 256."""
+def _check_ring_on_cuda(cfg: Config) -> None:
+    """The ring's CUDA kernels (``distributed/ring_attention.py``, ``attention_kernel``): FlashAttention-2 or
+    cuDNN, in bf16/fp16, head dim up to 256."""
     head_dim, backend = cfg.model.embed_dim // cfg.model.num_heads, cfg.precision.attention_backend
-    mode = cfg.parallel.cp_attention
     if cfg.precision.amp_mode not in ("bf16", "bf16_pure", "fp16"):
-        raise UserError(f"--cp_attention {mode} runs FlashAttention-2 or cuDNN on GPUs, which need bf16 or fp16, but "
+        raise UserError(f"--cp_attention ring runs FlashAttention-2 or cuDNN on GPUs, which need bf16 or fp16, but "
                         f"--amp_mode is {cfg.precision.amp_mode}; use --amp_mode bf16 or --cp_attention all_gather")
     if backend in ("efficient", "math"):
-        raise UserError(f"--cp_attention {mode} runs FlashAttention-2 or cuDNN on GPUs, not --attention_backend "
+        raise UserError(f"--cp_attention ring runs FlashAttention-2 or cuDNN on GPUs, not --attention_backend "
                         f"{backend}; use --attention_backend auto or cudnn, or --cp_attention all_gather")
     if head_dim > 256:
-        raise UserError(f"--cp_attention {mode} needs a head dim up to 256 on GPUs (FlashAttention-2, cuDNN), but "
+        raise UserError(f"--cp_attention ring needs a head dim up to 256 on GPUs (FlashAttention-2, cuDNN), but "
                         f"embed_dim / num_heads is {head_dim}; raise --num_heads or use --cp_attention all_gather")
 
 
