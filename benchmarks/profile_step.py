@@ -9,7 +9,9 @@ happens there), ``--steps`` steps are timed without and then with the profiler, 
 ``--rows`` ops with the most device time (CPU time on the CPU) is printed. The timed steps' peak memory is
 recorded too (``memory``: the GiB of ``training/monitor/memory.py``'s ``MemoryTracker``, on CUDA peak allocated
 and reserved and the cudaMalloc retries, on the CPU peak RSS), so a trade of memory for speed (activation
-checkpointing, ``--fp8_save_scales``) shows both sides. With ``--out DIR`` each mode's
+checkpointing, ``--fp8_save_scales``) shows both sides. On a GPU the profiled steps' GPU time is split into
+compute, communication (NCCL kernels, peer copies) and the communication no kernel hides (``gpu_time_ms``,
+``benchmarks/gpu_time.py``): where a parallel layout loses. With ``--out DIR`` each mode's
 step times, memory and every op's averages (``key_averages``: calls, total and self device and CPU time in
 microseconds) go to ``DIR/profile_<config>_<mode>.json``; with ``--trace`` a Chrome trace per mode beside it
 (open in chrome://tracing or Perfetto). The modes run one after another in this process, each trainer
@@ -30,6 +32,7 @@ import argparse
 import copy
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,9 +123,27 @@ def profile_mode(cfg, world, args, name: str) -> dict:
     record = {"config": cfg.name, "amp_mode": mode, "global_batch": samples, "step_ms": plain_ms,
               "samples_per_s": samples / plain_ms * 1e3, "profiled_step_ms": profiled_ms, "steps": args.steps,
               "memory": memory, "ops": op_rows(averages, cuda)}
-    if args.out and args.trace:
-        prof.export_chrome_trace(str(Path(args.out) / f"{name}.trace.json"))
+    trace = Path(args.out) / f"{name}.trace.json" if args.out and args.trace else None
+    if trace:
+        prof.export_chrome_trace(str(trace))
+    split = split_gpu_time(prof, trace, args.steps) if cuda else None
+    if split:
+        record["gpu_time_ms"] = split
+        print(f"{rank}GPU time a step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in split.items()))
     return record
+
+
+def split_gpu_time(prof, trace: Path | None, steps: int) -> dict | None:
+    """``benchmarks/gpu_time.py``'s split of the profiled steps' GPU time (None without GPU activity), from the
+    Chrome trace ``trace`` (or one exported to a temporary file and removed)."""
+    from benchmarks.gpu_time import gpu_time_split
+
+    if trace is not None:
+        return gpu_time_split(json.loads(trace.read_text()), steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return gpu_time_split(json.loads(path.read_text()), steps)
 
 
 def main(argv: list[str]) -> None:
