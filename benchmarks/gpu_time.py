@@ -31,6 +31,7 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def total(intervals: list[tuple[float, float]]) -> float:
+    """Summed length of disjoint intervals (microseconds in, microseconds out)."""
     return sum(end - start for start, end in intervals)
 
 
@@ -50,6 +51,7 @@ def uncovered(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
 
 
 def is_communication(event: dict) -> bool:
+    """Whether a trace event is communication: an NCCL kernel or a peer-to-peer copy (module docstring)."""
     name = event.get("name", "").lower()
     return "nccl" in name or (event.get("cat") == "gpu_memcpy" and "ptop" in name)
 
