@@ -12,9 +12,25 @@ Overlapping intervals (kernels on several streams) are merged before they are me
 time on the GPU, not a sum of kernel durations. ``exposed`` is the communication time with no compute interval
 beside it: what a parallel layout would win if its collectives hid behind its kernels. A collective's kernel
 also runs while it waits for the slowest rank, so ``communication`` and ``exposed`` include that wait.
+
+Run alone, it splits saved traces (``profile_step.py --trace``, ``.json`` or gzipped ``.json.gz``), one row each:
+
+    python benchmarks/gpu_time.py $OUT/profile_mp_bf16_rank0.trace.json $OUT/profile_mp_bf16_rank1.trace.json --steps 5
 """
 
 from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import sys
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -62,7 +78,8 @@ def gpu_time_split(trace: dict, steps: int) -> dict | None:
     ``communication`` and ``exposed``. None when the trace holds no GPU activity (a CPU run).
 
     Raises:
-        ValueError: ``steps`` is not positive, or ``traceEvents`` is missing or not a list (not a Chrome trace).
+        ValueError: ``steps`` is not positive, ``traceEvents`` is missing or not a list (not a Chrome trace), or
+            a GPU event lacks a finite ``ts`` or a non-negative ``dur``.
     """
     if steps < 1:
         raise ValueError(f"steps must be positive, got {steps}")
@@ -72,6 +89,9 @@ def gpu_time_split(trace: dict, steps: int) -> dict | None:
     gpu = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     if not gpu:
         return None
+    for e in gpu:
+        if not all(type(e.get(k)) in (int, float) and math.isfinite(e[k]) for k in ("ts", "dur")) or e["dur"] < 0:
+            raise ValueError(f"GPU event {str(e.get('name'))[:60]!r} has no finite ts and non-negative dur")
     spans = {kind: merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if is_communication(e) == kind])
              for kind in (False, True)}
     busy = merged(spans[False] + spans[True])
@@ -79,3 +99,51 @@ def gpu_time_split(trace: dict, steps: int) -> dict | None:
     split = {"span": span, "busy": total(busy), "idle": span - total(busy), "compute": total(spans[False]),
              "communication": total(spans[True]), "exposed": uncovered(spans[True], spans[False])}
     return {key: value / steps / 1e3 for key, value in split.items()}
+
+
+FIELDS = ("span", "busy", "idle", "compute", "communication", "exposed")
+
+
+def read_trace(path: Path) -> dict:
+    """A Chrome trace from ``path`` (gzip-compressed when its name ends in ``.gz``).
+
+    Raises:
+        UserError: the file cannot be read, or is not JSON (nor gzipped JSON).
+    """
+    try:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+            return json.load(f)
+    except OSError as e:
+        if isinstance(e, gzip.BadGzipFile):
+            raise UserError(f"{path} is not gzip-compressed; name a plain trace .json") from None
+        raise UserError(f"cannot read {path}: {e.strerror or e}; name a trace written by profile_step.py "
+                        "--trace") from None
+    except (ValueError, EOFError, zlib.error) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(f"{path} is not a JSON Chrome trace ({type(e).__name__}); name a trace written by "
+                        "profile_step.py --trace") from None
+
+
+def main(argv: list[str]) -> None:
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", type=Path, help="torch.profiler Chrome traces (.json or .json.gz)")
+    ap.add_argument("--steps", type=int, default=1, help="training steps each trace covers (figures are per step)")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    splits = {path: split_file(path, args.steps) for path in args.traces}  # every file checked before the table
+    print("| trace | " + " | ".join(f"{k} ms" for k in FIELDS) + " |")
+    for path, split in splits.items():
+        cells = [f"{split[k]:.1f}" for k in FIELDS] if split else ["no GPU activity"] + [""] * (len(FIELDS) - 1)
+        print(f"| {path.name} | " + " | ".join(cells) + " |")
+
+
+def split_file(path: Path, steps: int) -> dict | None:
+    """:func:`gpu_time_split` of the trace at ``path``; its problems as :class:`UserError`."""
+    try:
+        return gpu_time_split(read_trace(path), steps)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}; name a trace written by profile_step.py --trace") from None
+
+
+if __name__ == "__main__":
+    sys.exit(exit_status(main, sys.argv[1:]))

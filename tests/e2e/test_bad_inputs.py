@@ -338,6 +338,13 @@ CASES = [
                                       "--tune_data", "real"], ["start_time='yesterday'"],
          spoil=_attribute("start_time", "yesterday"), entry="tools.tune_batch_size", absent="{data}/runs"),
     Case("export_model into an empty path", ["{data}", "--out", ""], ["--out is empty"], entry="tools.export_model"),
+    Case("gpu_time on a missing trace", ["{data}/nope.json"], ["cannot read", "nope.json", "profile_step.py --trace"],
+         entry="benchmarks/gpu_time.py"),
+    Case("gpu_time on a file that is not JSON", ["{data}/stats/global_means.npy"],
+         ["global_means.npy is not a JSON Chrome trace"], entry="benchmarks/gpu_time.py"),
+    Case("gpu_time on JSON that is not a trace", ["{data}/events.json"], ["not a Chrome trace: no traceEvents list"],
+         spoil=lambda data: (data / "events.json").write_text('{"events": []}') and [],
+         entry="benchmarks/gpu_time.py"),
 ]
 
 
@@ -363,7 +370,7 @@ def test_bad_input_is_one_line(case, tiny_data, tmp_path):
     extra = (case.spoil(data) or []) if case.spoil else []
     expdir = tmp_path / "runs"
     args = [a.replace("{data}", str(data)) for a in case.args]
-    if case.entry.endswith(".py"):
+    if case.entry.startswith("train"):
         args = ["--data_path", str(data), "--expdir", str(expdir), "--log_every", "1000", *extra, *args]
     env = {**case.env, "MASTER_PORT": case.env.get("MASTER_PORT", str(free_port()))} if case.env else None
     proc = run_entry(case.entry, args, tmp_path, env)

@@ -52,3 +52,6 @@ def test_no_gpu_activity_and_bad_input():
         gpu_time_split({"events": []}, 1)
     with pytest.raises(ValueError, match="steps must be positive"):
         gpu_time_split({"traceEvents": []}, 0)
+    for ts, dur in (("0", 5), (0, -1), (float("nan"), 5), (True, 5), (0, None)):
+        with pytest.raises(ValueError, match="no finite ts and non-negative dur"):
+            gpu_time_split({"traceEvents": [_kernel("gemm", 0, 5), _kernel("bad", ts, dur)]}, 1)
