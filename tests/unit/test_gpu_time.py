@@ -55,3 +55,22 @@ def test_no_gpu_activity_and_bad_input():
     for ts, dur in (("0", 5), (0, -1), (float("nan"), 5), (True, 5), (0, None)):
         with pytest.raises(ValueError, match="no finite ts and non-negative dur"):
             gpu_time_split({"traceEvents": [_kernel("gemm", 0, 5), _kernel("bad", ts, dur)]}, 1)
+
+
+def test_command_line_splits_saved_traces(tmp_path, capsys):
+    """``python benchmarks/gpu_time.py`` on a plain and a gzipped trace and one without GPU activity: a row each."""
+    import gzip
+    import json
+
+    from benchmarks.gpu_time import main
+    trace = {"traceEvents": [_kernel("gemm", 0, 3000), _kernel("ncclDevKernel_AllReduce", 2000, 2000)]}
+    (tmp_path / "a.json").write_text(json.dumps(trace))
+    with gzip.open(tmp_path / "b.json.gz", "wt") as f:
+        json.dump(trace, f)
+    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": []}))
+    main([str(tmp_path / n) for n in ("a.json", "b.json.gz", "cpu.json")] + ["--steps", "2"])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("| trace | span ms") and len(rows) == 4
+    for row in rows[1:3]:  # span 4 ms, busy 4, idle 0, compute 3, communication 2, exposed 1; over 2 steps
+        assert row.endswith("| 2.0 | 2.0 | 0.0 | 1.5 | 1.0 | 0.5 |"), row
+    assert rows[3].startswith("| cpu.json | no GPU activity")
