@@ -53,6 +53,10 @@ also need to grow by more than ``STALL_SLACK_S``) is a regression. Prints a tabl
 writes JSON (``--out``; copy it to the reference path to make it the next reference), and exits with
 status 4 when something regressed. A failed run is reported and the other measurements go on; the script
 then exits 2 with an ``error:`` line naming it. Arguments after ``--`` go to every run.
+
+The JSON is rewritten (atomically) after each measurement, so a device call's time limit loses only the
+measurement under way: SIGTERM (``timeout``'s), SIGUSR1 or Ctrl-C stops the script at once, the run in flight
+killed, with the finished measurements saved and the rest listed as ``unfinished`` (exit 75).
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import multi_gpu  # noqa: E402
 from benchmarks.common import ROOT, Results, run_variant, table  # noqa: E402
-from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from utils.core.signals import StopOnSignal  # noqa: E402
 
 MEASUREMENTS = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "tp", "tp_async", "cp", "fp8_zero3",
                 "scaling")
@@ -413,20 +418,21 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
     measure = Measure(args, extra, run, checkpoint, gpu_count() if gpus is None else gpus)
     results = Results(Path(args.out), command=" ".join([sys.executable, __file__, *argv]), config=args.config,
                       amp_modes=args.amp_modes, reference_path=str(ref_path), metrics=measure.metrics)
-    failed = []
+    # in MEASUREMENTS' order: e2e, fp8, modes and scaling use the ceilings
+    failed, pending = [], [name for name in MEASUREMENTS if name in args.only]
     try:
-        for name in MEASUREMENTS:  # in this order: e2e, fp8, modes and scaling use the ceilings
-            if name in args.only:
-                try:
-                    getattr(measure, name)()
-                except UserError as exc:  # the other measurements go on
-                    failed.append(f"{name} ({exc})")
-                    print(f"[{name}] failed: {exc}", flush=True)
-    finally:
-        results.extend(measure.rows)
-        rows = compare(measure.metrics, reference or {}, args.tolerance)
-        results.meta.update(comparison=rows, failed=failed, skipped=measure.skipped)
-        results.save()
+        while pending:
+            try:
+                getattr(measure, pending[0])()
+            except UserError as exc:  # the other measurements go on
+                failed.append(f"{pending[0]} ({exc})")
+                print(f"[{pending[0]}] failed: {exc}", flush=True)
+            pending.pop(0)
+            save(results, measure, reference, args.tolerance, failed, pending)
+    finally:  # also when a signal stops the run (StopOnSignal): what finished is kept, what did not is named
+        rows = save(results, measure, reference, args.tolerance, failed, pending)
+        if pending:
+            print(f"saved {args.out}; unfinished: {', '.join(pending)}", flush=True)
     print(table(rows, [("metric", "metric", "s"), ("measured", "value", ".4g"), ("reference", "reference", ".4g"),
                        ("change", "change", "+.1%"), ("verdict", "verdict", "s")]))
     if reference is None:
@@ -440,9 +446,23 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
     return bool(regressed)
 
 
+def save(results: Results, measure: Measure, reference: dict[str, float] | None, tolerance: float,
+         failed: list[str], pending: list[str]) -> list[dict]:
+    """Write what has been measured so far to ``--out`` (the rows, the comparison with the reference, and the
+    failed, skipped and unfinished measurements); the comparison rows."""
+    results[:] = measure.rows
+    rows = compare(measure.metrics, reference or {}, tolerance)
+    results.meta.update(comparison=rows, failed=failed, skipped=measure.skipped, unfinished=pending)
+    results.save()
+    return rows
+
+
 def cli(argv: list[str]) -> int:
+    """``main`` as a command: SIGTERM (a time limit's ``timeout``), SIGUSR1 or Ctrl-C stops it at once, with
+    what was measured saved (exit 75); a regression exits :data:`EXIT_REGRESSED`."""
     regressed = []
-    status = exit_status(lambda: regressed.append(main(argv)))
+    with StopOnSignal():
+        status = run_cli(lambda args: regressed.append(main(args)), argv)
     return EXIT_REGRESSED if status == 0 and any(regressed) else status
 
 

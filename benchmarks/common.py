@@ -12,6 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
+from utils.core.files import write_json_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,8 +29,12 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     cmd = (launcher or [sys.executable]) + [str(ROOT / entry), *args, "--expdir", str(expdir),
                                             "--run_num", run_num, "--save_checkpoint", "false"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired as exc:  # killed by run(); a failed variant, not a crash of the benchmark
+        proc = subprocess.CompletedProcess(cmd, None, _text(exc.stdout), _text(exc.stderr) + f"\ntimed out after "
+                                           f"{timeout} s (run_variant's timeout)")
     result = {"variant": name, "command": " ".join(cmd), "returncode": proc.returncode,
               "wall_s": round(time.perf_counter() - t0, 1),
               "profiler_log": [line for line in proc.stdout.splitlines() if "CUDA profiler" in line]}
@@ -48,6 +54,11 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     return result
 
 
+def _text(output: bytes | str | None) -> str:
+    """A timed-out process's captured output as text (``TimeoutExpired`` may hold bytes even with ``text=True``)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Plain-text table; ``columns`` are (header, key path 'a.b', format)."""
     def get(row, path):
@@ -65,8 +76,10 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 
 def save_json(path: Path, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically (a stopped benchmark leaves its last complete file, never half
+    of one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    write_json_atomic(path, payload)
 
 
 class Results(list):

@@ -517,3 +517,54 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
     for batches, prefetches in (("8,16", "1"), ("24,32", "1"), ("24", "0,2")):  # three calls, the same runs
         main(["--suite", "vit2b", "--batches", batches, "--fsdp_prefetches", prefetches, *out], runner=run)
     assert [name for name, _ in calls] == one_call
+
+
+STOPPED_CHECK = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks import check
+
+def run(name, args, expdir, **launch):  # a train.py run of each measurement, the end-to-end one long
+    if name.startswith("e2e"):
+        print("e2e started", flush=True)
+        time.sleep(60)
+    return {"variant": name, "returncode": 0, "samples_per_s": 100.0, "command": " ".join(args)}
+
+measure = check.main
+check.main = lambda argv: measure(argv, run=run)
+sys.exit(check.cli(sys.argv[2:]))
+"""
+
+
+def test_check_stopped_by_sigterm_keeps_what_it_measured(tiny_data, tmp_path):
+    """A time limit's SIGTERM during the second measurement (a real signal to a real process): exit 75 at once,
+    the first measurement saved in --out, the second named unfinished."""
+    import signal
+    script, out = tmp_path / "stopped_check.py", tmp_path / "check.json"
+    script.write_text(STOPPED_CHECK)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(script), str(root), "--data_path", str(tiny_data), "--config", "tiny",
+                             "--only", "ceiling", "e2e", "--amp_modes", "bf16", "--reference",
+                             str(tmp_path / "none.json"), "--expdir", str(tmp_path / "runs"), "--out", str(out)],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        for line in proc.stdout:
+            if line.startswith("e2e started"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, stdout + stderr
+    assert "stopped by SIGTERM" in stdout and "unfinished: e2e" in stdout, stdout + stderr
+    saved = json.loads(out.read_text())
+    assert saved["metrics"] == {"ceiling bf16 samples/s": 100.0} and saved["unfinished"] == ["e2e"]
+    assert [r["measurement"] for r in saved["results"]] == ["ceiling_bf16"]
+
+
+def test_run_variant_that_times_out_is_a_failed_variant(tmp_path):
+    """A variant past run_variant's timeout is killed and reported as failed (no exception for the benchmark)."""
+    entry = tmp_path / "slow.py"
+    entry.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    row = run_variant("slow", [], tmp_path / "runs", timeout=3, entry=str(entry))
+    assert row["returncode"] is None and "timed out after 3 s" in row["error"], row
