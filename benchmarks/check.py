@@ -420,6 +420,7 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
                       amp_modes=args.amp_modes, reference_path=str(ref_path), metrics=measure.metrics)
     # in MEASUREMENTS' order: e2e, fp8, modes and scaling use the ceilings
     failed, pending = [], [name for name in MEASUREMENTS if name in args.only]
+    rows = save(results, measure, reference, args.tolerance, failed, pending)
     try:
         while pending:
             try:
@@ -428,10 +429,10 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
                 failed.append(f"{pending[0]} ({exc})")
                 print(f"[{pending[0]}] failed: {exc}", flush=True)
             pending.pop(0)
-            save(results, measure, reference, args.tolerance, failed, pending)
-    finally:  # also when a signal stops the run (StopOnSignal): what finished is kept, what did not is named
-        rows = save(results, measure, reference, args.tolerance, failed, pending)
+            rows = save(results, measure, reference, args.tolerance, failed, pending)
+    finally:  # a signal (StopOnSignal) stopped a measurement: keep its finished runs, name what did not finish
         if pending:
+            save(results, measure, reference, args.tolerance, failed, pending)
             print(f"saved {args.out}; unfinished: {', '.join(pending)}", flush=True)
     print(table(rows, [("metric", "metric", "s"), ("measured", "value", ".4g"), ("reference", "reference", ".4g"),
                        ("change", "change", "+.1%"), ("verdict", "verdict", "s")]))

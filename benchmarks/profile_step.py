@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import save_json  # noqa: E402
 from utils.core.errors import ArgumentParser, exit_status  # noqa: E402
 
 KEPT_ROWS = 300  # ops saved per mode, by device time (a step has a few hundred distinct ops)
@@ -136,14 +136,13 @@ def profile_mode(cfg, world, args, name: str) -> dict:
 def split_gpu_time(prof, trace: Path | None, steps: int) -> dict | None:
     """``benchmarks/gpu_time.py``'s split of the profiled steps' GPU time (None without GPU activity), from the
     Chrome trace ``trace`` (or one exported to a temporary file and removed)."""
-    from benchmarks.gpu_time import gpu_time_split
+    from benchmarks.gpu_time import split_file
 
-    if trace is not None:
-        return gpu_time_split(json.loads(trace.read_text()), steps)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return gpu_time_split(json.loads(path.read_text()), steps)
+        if trace is None:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+        return split_file(trace, steps)
 
 
 def main(argv: list[str]) -> None:
@@ -180,7 +179,7 @@ def main(argv: list[str]) -> None:
                           torch=torch.__version__, command=" ".join([sys.executable, __file__, *argv]))
             if args.out:
                 path = Path(args.out) / f"{name}.json"
-                path.write_text(json.dumps(record, indent=1))
+                save_json(path, record)
                 print(f"saved {path}")
 
 
