@@ -16,6 +16,9 @@ also runs while it waits for the slowest rank, so ``communication`` and ``expose
 Run alone, it splits saved traces (``profile_step.py --trace``, ``.json`` or gzipped ``.json.gz``), one row each:
 
     python benchmarks/gpu_time.py $OUT/profile_mp_bf16_rank0.trace.json $OUT/profile_mp_bf16_rank1.trace.json --steps 5
+
+and with ``--collectives`` also says which collectives take that time and how much of each is exposed
+(:func:`collectives`).
 """
 
 from __future__ import annotations
@@ -72,10 +75,8 @@ def is_communication(event: dict) -> bool:
     return "nccl" in name or (event.get("cat") == "gpu_memcpy" and "ptop" in name)
 
 
-def gpu_time_split(trace: dict, steps: int) -> dict | None:
-    """The GPU time of a Chrome trace of ``steps`` training steps, per step in milliseconds (module docstring):
-    ``span`` (first kernel's start to last one's end), ``busy``, ``idle`` (``span - busy``), ``compute``,
-    ``communication`` and ``exposed``. None when the trace holds no GPU activity (a CPU run).
+def gpu_events(trace: dict, steps: int) -> list[dict]:
+    """The GPU events (kernels, memcpys, memsets) of a Chrome trace of ``steps`` steps, checked.
 
     Raises:
         ValueError: ``steps`` is not positive, ``traceEvents`` is missing or not a list (not a Chrome trace), or
@@ -87,18 +88,55 @@ def gpu_time_split(trace: dict, steps: int) -> dict | None:
     if not isinstance(events, list):
         raise ValueError("not a Chrome trace: no traceEvents list")
     gpu = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
-    if not gpu:
-        return None
     for e in gpu:
         if not all(type(e.get(k)) in (int, float) and math.isfinite(e[k]) for k in ("ts", "dur")) or e["dur"] < 0:
             raise ValueError(f"GPU event {str(e.get('name'))[:60]!r} has no finite ts and non-negative dur")
-    spans = {kind: merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu if is_communication(e) == kind])
-             for kind in (False, True)}
+    return gpu
+
+
+def _spans(events: list[dict]) -> list[tuple[float, float]]:
+    return merged([(e["ts"], e["ts"] + e["dur"]) for e in events])
+
+
+def gpu_time_split(trace: dict, steps: int) -> dict | None:
+    """The GPU time of a Chrome trace of ``steps`` training steps, per step in milliseconds (module docstring):
+    ``span`` (first kernel's start to last one's end), ``busy``, ``idle`` (``span - busy``), ``compute``,
+    ``communication`` and ``exposed``. None when the trace holds no GPU activity (a CPU run).
+
+    Raises:
+        ValueError: as :func:`gpu_events`.
+    """
+    gpu = gpu_events(trace, steps)
+    if not gpu:
+        return None
+    spans = {kind: _spans([e for e in gpu if is_communication(e) == kind]) for kind in (False, True)}
     busy = merged(spans[False] + spans[True])
     span = busy[-1][1] - busy[0][0]
     split = {"span": span, "busy": total(busy), "idle": span - total(busy), "compute": total(spans[False]),
              "communication": total(spans[True]), "exposed": uncovered(spans[True], spans[False])}
     return {key: value / steps / 1e3 for key, value in split.items()}
+
+
+def collectives(trace: dict, steps: int) -> list[dict]:
+    """The communication of a Chrome trace of ``steps`` steps by kernel (its name up to the first ``(``: NCCL's
+    names say the collective, algorithm and protocol, ``ncclDevKernel_AllGather_RING_LL``), most exposed first:
+    ``kernel``, ``count``, ``ms`` and ``exposed_ms`` per step. Which collective waits where is what the split
+    alone cannot say (docs/speed.md, round 5f: cp 2's exposed time was its K/V all-gather and dK/dV
+    reduce-scatter, not the gradient all-reduce). Each kernel's exposed time is measured against the compute
+    alone, so two collectives running at once are each counted.
+
+    Raises:
+        ValueError: as :func:`gpu_events`.
+    """
+    gpu = gpu_events(trace, steps)
+    compute = _spans([e for e in gpu if not is_communication(e)])
+    kinds: dict[str, list[dict]] = {}
+    for e in gpu:
+        if is_communication(e):
+            kinds.setdefault(str(e.get("name")).split("(")[0].strip(), []).append(e)
+    rows = [{"kernel": name, "count": len(events) / steps, "ms": total(_spans(events)) / steps / 1e3,
+             "exposed_ms": uncovered(_spans(events), compute) / steps / 1e3} for name, events in kinds.items()]
+    return sorted(rows, key=lambda r: (-r["exposed_ms"], r["kernel"]))
 
 
 FIELDS = ("span", "busy", "idle", "compute", "communication", "exposed")
@@ -127,22 +165,39 @@ def main(argv: list[str]) -> None:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+", type=Path, help="torch.profiler Chrome traces (.json or .json.gz)")
     ap.add_argument("--steps", type=int, default=1, help="training steps each trace covers (figures are per step)")
+    ap.add_argument("--collectives", action="store_true",
+                    help="also a table of each trace's communication by kernel: count, ms and exposed ms a step")
     args = ap.parse_args(argv)
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
-    splits = {path: split_file(path, args.steps) for path in args.traces}  # every file checked before the table
+    traces = {path: read_trace(path) for path in args.traces}  # every file read and checked before a table
+    splits = {path: checked(path, gpu_time_split, trace, args.steps) for path, trace in traces.items()}
+    kernels = {path: checked(path, collectives, trace, args.steps) for path, trace in traces.items()
+               if args.collectives}
     print("| trace | " + " | ".join(f"{k} ms" for k in FIELDS) + " |")
     for path, split in splits.items():
         cells = [f"{split[k]:.1f}" for k in FIELDS] if split else ["no GPU activity"] + [""] * (len(FIELDS) - 1)
         print(f"| {path.name} | " + " | ".join(cells) + " |")
+    if args.collectives:
+        print("\n| trace | kernel | a step | ms | exposed ms |")
+        for path, rows in kernels.items():
+            for r in rows or [{"kernel": "no communication", "count": 0, "ms": 0.0, "exposed_ms": 0.0}]:
+                print(f"| {path.name} | {r['kernel']} | {r['count']:g} | {r['ms']:.2f} | {r['exposed_ms']:.2f} |")
 
 
-def split_file(path: Path, steps: int) -> dict | None:
-    """:func:`gpu_time_split` of the trace at ``path``; its problems as :class:`UserError`."""
+def checked(path: Path, analysis, trace: dict, steps: int):
+    """``analysis(trace, steps)`` with its problems as :class:`UserError` naming ``path``."""
     try:
-        return gpu_time_split(read_trace(path), steps)
+        return analysis(trace, steps)
     except ValueError as e:
         raise UserError(f"{path}: {e}; name a trace written by profile_step.py --trace") from None
+
+
+def analyse_file(path: Path, steps: int) -> tuple[dict | None, list[dict]]:
+    """:func:`gpu_time_split` and :func:`collectives` of the trace at ``path``; its problems as
+    :class:`UserError`."""
+    trace = read_trace(path)
+    return checked(path, gpu_time_split, trace, steps), checked(path, collectives, trace, steps)
 
 
 if __name__ == "__main__":

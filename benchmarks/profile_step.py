@@ -11,7 +11,8 @@ recorded too (``memory``: the GiB of ``training/monitor/memory.py``'s ``MemoryTr
 and reserved and the cudaMalloc retries, on the CPU peak RSS), so a trade of memory for speed (activation
 checkpointing, ``--fp8_save_scales``) shows both sides. On a GPU the profiled steps' GPU time is split into
 compute, communication (NCCL kernels, peer copies) and the communication no kernel hides (``gpu_time_ms``,
-``benchmarks/gpu_time.py``): where a parallel layout loses. With ``--out DIR`` each mode's
+``benchmarks/gpu_time.py``): where a parallel layout loses; ``collectives`` says which communication kernels
+take that time, each one's count, ms and exposed ms a step. With ``--out DIR`` each mode's
 step times, memory and every op's averages (``key_averages``: calls, total and self device and CPU time in
 microseconds) go to ``DIR/profile_<config>_<mode>.json``; with ``--trace`` a Chrome trace per mode beside it
 (open in chrome://tracing or Perfetto). The modes run one after another in this process, each trainer
@@ -126,23 +127,25 @@ def profile_mode(cfg, world, args, name: str) -> dict:
     trace = Path(args.out) / f"{name}.trace.json" if args.out and args.trace else None
     if trace:
         prof.export_chrome_trace(str(trace))
-    split = split_gpu_time(prof, trace, args.steps) if cuda else None
+    split, kernels = analyse_gpu_time(prof, trace, args.steps) if cuda else (None, [])
     if split:
         record["gpu_time_ms"] = split
         print(f"{rank}GPU time a step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in split.items()))
+    if kernels:
+        record["collectives"] = kernels
     return record
 
 
-def split_gpu_time(prof, trace: Path | None, steps: int) -> dict | None:
-    """``benchmarks/gpu_time.py``'s split of the profiled steps' GPU time (None without GPU activity), from the
-    Chrome trace ``trace`` (or one exported to a temporary file and removed)."""
-    from benchmarks.gpu_time import split_file
+def analyse_gpu_time(prof, trace: Path | None, steps: int) -> tuple[dict | None, list[dict]]:
+    """``benchmarks/gpu_time.py``'s split of the profiled steps' GPU time (None without GPU activity) and their
+    communication by kernel, from the Chrome trace ``trace`` (or one exported to a temporary file and removed)."""
+    from benchmarks.gpu_time import analyse_file
 
     with tempfile.TemporaryDirectory() as tmp:
         if trace is None:
             trace = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(trace))
-        return split_file(trace, steps)
+        return analyse_file(trace, steps)
 
 
 def main(argv: list[str]) -> None:
