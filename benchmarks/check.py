@@ -44,7 +44,8 @@ Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``
 is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The
 DDP run of ``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. A metric missing
 from the reference is reported as new: the H200 reference holds ``tp``, ``tp_async``, ``cp``, ``fp8_zero3``,
-``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` without its rowwise run; the H100 one ``ceiling``, ``e2e``, ``fp8``, ``checkpoint`` and ``tp``.
+``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` without its rowwise run; the H100 one ``ceiling``,
+``e2e``, ``fp8``, ``checkpoint`` and ``tp``.
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
