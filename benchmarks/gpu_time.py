@@ -172,7 +172,7 @@ def main(argv: list[str]) -> None:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     traces = {path: read_trace(path) for path in args.traces}  # every file read and checked before a table
     splits = {path: checked(path, gpu_time_split, trace, args.steps) for path, trace in traces.items()}
-    kernels = {path: checked(path, collectives, trace, args.steps) for path, trace in traces.items()
+    by_kernel = {path: checked(path, collectives, trace, args.steps) for path, trace in traces.items()
                if args.collectives}
     print("| trace | " + " | ".join(f"{k} ms" for k in FIELDS) + " |")
     for path, split in splits.items():
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> None:
         print(f"| {path.name} | " + " | ".join(cells) + " |")
     if args.collectives:
         print("\n| trace | kernel | a step | ms | exposed ms |")
-        for path, rows in kernels.items():
+        for path, rows in by_kernel.items():
             for r in rows or [{"kernel": "no communication", "count": 0, "ms": 0.0, "exposed_ms": 0.0}]:
                 print(f"| {path.name} | {r['kernel']} | {r['count']:g} | {r['ms']:.2f} | {r['exposed_ms']:.2f} |")
 

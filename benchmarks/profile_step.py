@@ -127,12 +127,12 @@ def profile_mode(cfg, world, args, name: str) -> dict:
     trace = Path(args.out) / f"{name}.trace.json" if args.out and args.trace else None
     if trace:
         prof.export_chrome_trace(str(trace))
-    split, kernels = analyse_gpu_time(prof, trace, args.steps) if cuda else (None, [])
+    split, by_kernel = analyse_gpu_time(prof, trace, args.steps) if cuda else (None, [])
     if split:
         record["gpu_time_ms"] = split
         print(f"{rank}GPU time a step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in split.items()))
-    if kernels:
-        record["collectives"] = kernels
+    if by_kernel:
+        record["collectives"] = by_kernel
     return record
 
 
