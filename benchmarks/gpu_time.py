@@ -172,13 +172,13 @@ def main(argv: list[str]) -> None:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     traces = {path: read_trace(path) for path in args.traces}  # every file read and checked before a table
     splits = {path: checked(path, gpu_time_split, trace, args.steps) for path, trace in traces.items()}
-    by_kernel = {path: checked(path, collectives, trace, args.steps) for path, trace in traces.items()
-               if args.collectives}
+    by_kernel = ({path: checked(path, collectives, trace, args.steps) for path, trace in traces.items()}
+                 if args.collectives else {})
     print("| trace | " + " | ".join(f"{k} ms" for k in FIELDS) + " |")
     for path, split in splits.items():
         cells = [f"{split[k]:.1f}" for k in FIELDS] if split else ["no GPU activity"] + [""] * (len(FIELDS) - 1)
         print(f"| {path.name} | " + " | ".join(cells) + " |")
-    if args.collectives:
+    if by_kernel:
         print("\n| trace | kernel | a step | ms | exposed ms |")
         for path, rows in by_kernel.items():
             for r in rows or [{"kernel": "no communication", "count": 0, "ms": 0.0, "exposed_ms": 0.0}]:
