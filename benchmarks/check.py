@@ -44,8 +44,8 @@ Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``
 is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The
 DDP run of ``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. A metric missing
 from the reference is reported as new: the H200 reference holds ``tp``, ``tp_async``, ``cp``, ``fp8_zero3``,
-``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` without its rowwise run; the H100 one ``ceiling``,
-``e2e``, ``fp8``, ``checkpoint`` and ``tp``.
+``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` (its rowwise run through ``--resume``); the H100 one
+``ceiling``, ``e2e``, ``fp8``, ``checkpoint`` and ``tp``.
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
@@ -57,14 +57,18 @@ then exits 2 with an ``error:`` line naming it. Arguments after ``--`` go to eve
 
 The JSON is rewritten (atomically) after each measurement, so a device call's time limit loses only the
 measurement under way: SIGTERM (``timeout``'s), SIGUSR1 or Ctrl-C stops the script at once, the run in flight
-killed, with the finished measurements saved and the rest listed as ``unfinished`` (exit 75).
+killed, with the finished measurements saved and the rest listed as ``unfinished`` (exit 75). ``--resume JSON``
+goes on from such an output (or one with failed runs): each train.py run (and the checkpoint benchmark) that
+succeeded there is kept, its row marked ``kept_from``, and only the others run. The runs of a measurement are then
+compared across two invocations, so a call's limit need not fit the whole of ``fp8_vit2b`` (about 650 s on an
+H200). The earlier output must be of this kind of GPU, with the same ``--config``, ``--amp_modes``, ``--data_path``
+and train.py arguments; else the script stops before any run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +77,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import multi_gpu  # noqa: E402
+from benchmarks.check_files import SAVES, gpu_slug, keeping, read_reference, read_resumed  # noqa: E402
 from benchmarks.common import ROOT, Results, run_variant, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 from utils.core.signals import StopOnSignal  # noqa: E402
@@ -102,15 +107,6 @@ SYNTHETIC = ["--data_loader_config", "synthetic"]
 NATIVE = ["--data_loader_config", "pytorch", "--num_data_workers", "8"]
 STALL_SLACK_S = 0.05  # a stall must grow by more than this too: short ones are timer noise
 EXIT_REGRESSED = 4
-# the train.py rows of benchmarks/checkpoint.py whose stall is compared: a save of each kind after the first
-SAVES = {"sync save stall s": "sharded save, sync, with checksums (again)",
-         "async save stall s": "sharded save, async (again)"}
-
-
-def gpu_slug(device: str) -> str:
-    """A short name of a device for file names: ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``cpu`` -> ``cpu``."""
-    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", device)
-    return (found.group(1) if found else re.sub(r"\W+", "_", device)).lower()
 
 
 def lower_is_better(metric: str) -> bool:
@@ -345,25 +341,6 @@ def compare(metrics: dict[str, float], reference: dict[str, float], tolerance: f
     return rows
 
 
-def read_reference(path: Path, device: str) -> dict[str, float] | None:
-    """The reference's metrics, or None when ``path`` does not exist.
-
-    Raises:
-        UserError: it is not this script's JSON, or it was measured on another kind of device.
-    """
-    if not path.exists():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-        metrics, theirs = saved["metrics"], saved["device"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"--reference {path} is not a JSON written by benchmarks/check.py ({exc})") from None
-    if gpu_slug(theirs) != gpu_slug(device):
-        raise UserError(f"--reference {path} was measured on {theirs}, this is {device}; pass the reference of "
-                        "this kind of GPU (or none: the first run makes one)")
-    return metrics
-
-
 # ---------------------------------------------------------------- command line
 def parser() -> ArgumentParser:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -377,6 +354,8 @@ def parser() -> ArgumentParser:
     ap.add_argument("--reference", help="reference JSON (default benchmarks/results/<gpu>_check.json)")
     ap.add_argument("--expdir", default="/tmp/check_runs")
     ap.add_argument("--out", default="benchmarks/results/check.json")
+    ap.add_argument("--resume", metavar="JSON", help="an earlier --out of the same settings, stopped or failed: its "
+                    "finished runs are kept, not run again (a device call's time limit cut it short)")
     return ap
 
 
@@ -416,9 +395,14 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
     device = device_name()
     ref_path = Path(args.reference or ROOT / "benchmarks" / "results" / f"{gpu_slug(device)}_check.json")
     reference = read_reference(ref_path, device)  # before any run: a wrong reference wastes no GPU time
+    settings = {"config": args.config, "amp_modes": args.amp_modes, "train_args": extra,
+                "data_path": args.data_path and str(Path(args.data_path).absolute())}
+    checkpoint = checkpoint or run_checkpoint_benchmark
+    if args.resume:
+        run, checkpoint = keeping(run, checkpoint, Path(args.resume), *read_resumed(Path(args.resume), device, settings))
     measure = Measure(args, extra, run, checkpoint, gpu_count() if gpus is None else gpus)
-    results = Results(Path(args.out), command=" ".join([sys.executable, __file__, *argv]), config=args.config,
-                      amp_modes=args.amp_modes, reference_path=str(ref_path), metrics=measure.metrics)
+    results = Results(Path(args.out), command=" ".join([sys.executable, __file__, *argv]), **settings,
+                      reference_path=str(ref_path), metrics=measure.metrics)
     # in MEASUREMENTS' order: e2e, fp8, modes and scaling use the ceilings
     failed, pending = [], [name for name in MEASUREMENTS if name in args.only]
     rows = save(results, measure, reference, args.tolerance, failed, pending)

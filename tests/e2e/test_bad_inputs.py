@@ -345,6 +345,10 @@ CASES = [
     Case("gpu_time on JSON that is not a trace", ["{data}/events.json"], ["not a Chrome trace: no traceEvents list"],
          spoil=lambda data: (data / "events.json").write_text('{"events": []}') and [],
          entry="benchmarks/gpu_time.py"),
+    Case("check resuming a file that is not its output", ["--only", "tp", "--resume", "{data}/stats/global_means.npy",
+                                                          "--out", "{data}/check.json"],
+         ["--resume", "global_means.npy is not a JSON written by benchmarks/check.py"], entry="benchmarks/check.py",
+         absent="{data}/check.json"),
 ]
 
 

@@ -146,7 +146,7 @@ def test_precision_parity_end_to_end_on_cpu(tiny_data, tmp_path):
 
 
 BENCHMARKS = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")
-                    if p.name not in ("__init__.py", "common.py"))
+                    if p.name not in ("__init__.py", "common.py", "check_files.py"))
 
 
 # ``python benchmarks/<script> --help`` of every script, one after the other in one interpreter (torch is imported
@@ -561,6 +561,71 @@ def test_check_stopped_by_sigterm_keeps_what_it_measured(tiny_data, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["metrics"] == {"ceiling bf16 samples/s": 100.0} and saved["unfinished"] == ["e2e"]
     assert [r["measurement"] for r in saved["results"]] == ["ceiling_bf16"]
+
+
+def test_check_resume_runs_only_what_did_not_finish(tiny_data, tmp_path):
+    """--resume an output that a stop cut short (during scaling) and where a run failed (vit_2b fp8): only those two
+    run again; the finished runs and the checkpoint rows are kept, marked, and give the metrics of one whole run."""
+    from benchmarks.check import main
+    speeds = {"ceiling_bf16": 100.0, "ceiling_bf16_pure": 120.0, "fp8_vit2b_bf16_pure": 7.0, "fp8_vit2b_fp8": 8.4,
+              "fp8_vit2b_fp8_rowwise": 9.1, "scaling_2gpu": 230.0}
+    calls, run, checkpoint = fake_check_runs(speeds, (0.5, 0.1))
+    argv = ["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(tmp_path / "none.json"), "--only",
+            "ceiling", "fp8_vit2b", "checkpoint", "scaling", "--", "--enable_jit", "false"]
+    whole = tmp_path / "whole.json"
+    main([*argv[:-3], "--out", str(whole), *argv[-3:]], run=run, checkpoint=checkpoint, gpus=2)
+
+    def cut_short(name, args, expdir, **launch):
+        if name == "scaling_2gpu":
+            raise KeyboardInterrupt  # as StopOnSignal stops a run in flight
+        return {"returncode": 1, "error": "boom"} if name == "fp8_vit2b_fp8" else run(name, args, expdir, **launch)
+    stopped, resumed = tmp_path / "stopped.json", tmp_path / "resumed.json"
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv[:-3], "--out", str(stopped), *argv[-3:]], run=cut_short, checkpoint=checkpoint, gpus=2)
+    assert json.loads(stopped.read_text())["unfinished"] == ["scaling"]
+    calls.clear()
+    main([*argv[:-3], "--out", str(resumed), "--resume", str(stopped), *argv[-3:]], run=run, checkpoint=checkpoint,
+         gpus=2)
+    assert [c[0] for c in calls] == ["fp8_vit2b_fp8", "scaling_2gpu"]
+    saved = json.loads(resumed.read_text())
+    assert saved["metrics"] == json.loads(whole.read_text())["metrics"]
+    assert saved["metrics"]["vit_2b fp8 / bf16_pure"] == pytest.approx(1.2)
+    assert saved["unfinished"] == [] and saved["failed"] == []
+    kept = [r.get("variant", r.get("what")) for r in saved["results"] if r.get("kept_from") == str(stopped)]
+    assert kept == ["ceiling_bf16", "ceiling_bf16_pure", "fp8_vit2b_bf16_pure", "fp8_vit2b_fp8_rowwise",
+                    "sharded save, sync, with checksums (again)", "sharded save, async (again)", "sharded load"]
+    assert [r["measurement"] for r in saved["results"] if r.get("what")] == ["checkpoint"] * 3
+
+
+def test_check_resume_refuses_another_device_or_other_settings_before_any_run(tiny_data, tmp_path):
+    from benchmarks.check import main
+    from utils.core.errors import UserError
+    calls, run, checkpoint = fake_check_runs({"ceiling_bf16": 100.0}, (0, 0))
+    common = ["--data_path", str(tiny_data), "--config", "tiny", "--amp_modes", "bf16", "--only", "ceiling",
+              "--reference", str(tmp_path / "none.json")]
+    earlier = tmp_path / "earlier.json"
+    main([*common, "--out", str(earlier), "--", "--enable_jit", "false"], run=run, checkpoint=checkpoint)
+    calls.clear()
+    saved = json.loads(earlier.read_text())
+    files = {name: tmp_path / f"{name}.json" for name in ("h100", "old", "rows", "broken")}
+    files["h100"].write_text(json.dumps({**saved, "device": "NVIDIA H100 80GB HBM3"}))
+    files["old"].write_text(json.dumps({k: v for k, v in saved.items() if k != "train_args"}))
+    files["rows"].write_text(json.dumps({**saved, "results": [1, 2]}))
+    files["broken"].write_text("{")
+    for resume, extra, words in [
+            (earlier, ["--", "--enable_jit", "true"], ["other settings: train_args ['--enable_jit', 'false']",
+                                                       "(here ['--enable_jit', 'true'])"]),
+            (earlier, ["--config", "short", "--", "--enable_jit", "false"], ["other settings: config 'tiny'"]),
+            (files["h100"], [], ["measured on NVIDIA H100", "this is cpu"]),
+            (files["old"], [], ["not a JSON written by benchmarks/check.py (no train_args)"]),
+            (files["rows"], [], ["its results are not rows"]),
+            (files["broken"], [], ["--resume", "not a JSON written by benchmarks/check.py"]),
+            (tmp_path / "none.json", [], ["--resume", "cannot be read (No such file or directory)"])]:
+        with pytest.raises(UserError) as err:
+            main([*common, "--out", str(tmp_path / "out.json"), "--resume", str(resume), *extra], run=run,
+                 checkpoint=checkpoint)
+        assert all(w in str(err.value) for w in words), (resume, str(err.value))
+    assert calls == [] and not (tmp_path / "out.json").exists()
 
 
 def test_run_variant_that_times_out_is_a_failed_variant(tmp_path):
