@@ -58,7 +58,7 @@ def read_reference(path: Path, device: str) -> dict[str, float] | None:
 
 def read_resumed(path: Path, device: str, settings: dict) -> tuple[dict[str, dict], list[dict]]:
     """What an earlier ``--out`` (``--resume``) measured with the same ``settings`` (:data:`SETTINGS`): its
-    succeeded train.py runs by name, and its checkpoint rows (none unless every compared save is among them).
+    succeeded train.py runs (exit 0, with a rate and a loss) by name, and its checkpoint rows (none unless every compared save is among them).
 
     Raises:
         UserError: see :func:`read_saved`; it has no rows, or was measured with other settings.
@@ -72,7 +72,7 @@ def read_resumed(path: Path, device: str, settings: dict) -> tuple[dict[str, dic
         raise UserError(f"--resume {path} was measured with other settings: {'; '.join(differ)}; resume with the "
                         "same ones, or measure again without --resume")
     runs = {row["variant"]: row for row in rows if row.get("returncode") == 0 and isinstance(row.get("variant"), str)
-            and isinstance(row.get("samples_per_s"), (int, float))}
+            and all(isinstance(row.get(key), (int, float)) for key in ("samples_per_s", "loss/train"))}
     saves = [row for row in rows if row.get("measurement") == "checkpoint"]
     return runs, saves if set(SAVES.values()) <= {row.get("what") for row in saves} else []
 
