@@ -1,0 +1,138 @@
+"""Which ops make the difference between two profiled steps: the op tables of two ``profile_step.py`` JSONs, op by op.
+
+``benchmarks/profile_step.py --out DIR`` saves each mode's (each rank's) ``key_averages`` table: per op its calls
+and its self device time over the ``steps`` profiled steps. This script puts two such files side by side, per
+step in milliseconds, and lists the ops whose self time differs by at least ``--min_ms``, the largest
+difference first, with each file's step, profiled step and GPU time split above them:
+
+    python benchmarks/profile_diff.py $OUT/gather/profile_mp_bf16_rank0.json $OUT/ring/profile_mp_bf16_rank0.json
+
+It is how docs/speed.md (round 5g) found where cp 2's ring spends its 14.8 ms more compute than the all-gather:
+the attention kernels run in halves, the GEMMs slow beside NCCL, layout copies, merges. Reading the table:
+
+* Times are **self** times: the device time of an op's own kernels, or of a kernel itself. The table holds both
+  levels (``aten::mm`` and the GEMM kernel it launches), so its rows must not be summed.
+* Ops are matched by their full name. Inductor numbers the kernels it generates (``triton_poi_fused_gelu_7``),
+  and two different graphs number them differently. A fused kernel can then show as gone from one file and new
+  in the other, under another number.
+* On the CPU (no device time in either file) the self CPU time is compared instead.
+
+It prints only; the files are read as JSON and checked, and a file that is not ``profile_step.py``'s is refused
+with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
+
+TIMES = ("self_device_time_total_us", "self_cpu_time_total_us")
+SPLIT = ("span", "busy", "idle", "compute", "communication", "exposed")
+
+
+def _number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def read_profile(path: Path) -> dict:
+    """A ``profile_step.py`` JSON: ``steps`` (positive), ``step_ms`` and ``ops`` (each with a ``name``, ``calls``
+    and the self times of :data:`TIMES`).
+
+    Raises:
+        UserError: it cannot be read, is not JSON, or lacks those fields.
+    """
+    try:
+        saved = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}; name a JSON written by profile_step.py --out") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{path} is not JSON ({type(e).__name__}); name a JSON written by profile_step.py --out") \
+            from None
+    ops = saved.get("ops") if isinstance(saved, dict) else None
+    fine = (isinstance(ops, list) and type(saved.get("steps")) is int and saved["steps"] > 0
+            and _number(saved.get("step_ms"))
+            and all(isinstance(op, dict) and isinstance(op.get("name"), str) and _number(op.get("calls"))
+                    and all(_number(op.get(key)) for key in TIMES) for op in ops))
+    if not fine:
+        raise UserError(f"{path} is not a JSON written by profile_step.py --out (it needs steps, step_ms and ops, "
+                        "each op with name, calls and self times)")
+    return saved
+
+
+def per_step(profile: dict, key: str) -> dict[str, tuple[float, float]]:
+    """Each op's (self time in ms, calls) per profiled step, by name; ``key``: one of :data:`TIMES`."""
+    steps = profile["steps"]
+    return {op["name"]: (op[key] / steps / 1e3, op["calls"] / steps) for op in profile["ops"]}
+
+
+def differences(a: dict, b: dict, min_ms: float) -> tuple[str, list[dict]]:
+    """The time compared (device time, or CPU time when neither file has any) and the ops whose per-step self
+    time differs by at least ``min_ms`` between ``a`` and ``b``: ``name``, ``a_ms``, ``b_ms``, ``diff_ms``
+    (b - a), ``a_calls``, ``b_calls``, the largest ``|diff_ms|`` first (then by name)."""
+    on_device = any(op[TIMES[0]] for op in a["ops"] + b["ops"])
+    key = TIMES[0] if on_device else TIMES[1]
+    ta, tb = per_step(a, key), per_step(b, key)
+    rows = []
+    for name in ta.keys() | tb.keys():
+        (a_ms, a_calls), (b_ms, b_calls) = ta.get(name, (0.0, 0.0)), tb.get(name, (0.0, 0.0))
+        if abs(b_ms - a_ms) >= min_ms:
+            rows.append({"name": name, "a_ms": a_ms, "b_ms": b_ms, "diff_ms": b_ms - a_ms, "a_calls": a_calls,
+                         "b_calls": b_calls})
+    return ("device" if on_device else "CPU"), sorted(rows, key=lambda r: (-abs(r["diff_ms"]), r["name"]))
+
+
+def summary(a: dict, b: dict) -> list[tuple[str, float, float]]:
+    """(label, a's value, b's value) of the step, the profiled step and the GPU time split (ms), where both
+    files hold the figure (a CPU profile has no split)."""
+    def figures(p: dict) -> dict:
+        split = p.get("gpu_time_ms") if isinstance(p.get("gpu_time_ms"), dict) else {}
+        return {"step ms": p["step_ms"], "profiled step ms": p.get("profiled_step_ms"),
+                **{f"GPU {k} ms": split.get(k) for k in SPLIT}}
+    fa, fb = figures(a), figures(b)
+    return [(label, fa[label], fb[label]) for label in fa if _number(fa[label]) and _number(fb[label])]
+
+
+def file_label(path: Path) -> str:
+    """A file's folder and name: profile_step.py names each rank's file alike in every --out folder."""
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+def short(name: str, width: int) -> str:
+    """An op's name up to its argument list (a kernel's template arguments kept), at most ``width`` characters."""
+    name = name.split("(")[0].strip() or name
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def main(argv: list[str]) -> None:
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a", type=Path, help="profile_step.py JSON, the baseline")
+    ap.add_argument("b", type=Path, help="profile_step.py JSON compared with it")
+    ap.add_argument("--min_ms", type=float, default=0.3, help="smallest difference a step listed (default 0.3 ms)")
+    ap.add_argument("--width", type=int, default=90, help="op names cut to this many characters")
+    args = ap.parse_args(argv)
+    if not (args.min_ms >= 0 and math.isfinite(args.min_ms)) or args.width < 10:
+        raise UserError(f"--min_ms must be >= 0 and --width >= 10 (got {args.min_ms}, {args.width})")
+    a, b = read_profile(args.a), read_profile(args.b)  # both checked before any output
+    print(f"| | {file_label(args.a)} (a) | {file_label(args.b)} (b) | b - a |\n|---|---|---|---|")
+    for label, va, vb in summary(a, b):
+        print(f"| {label} | {va:.2f} | {vb:.2f} | {vb - va:+.2f} |")
+    kind, rows = differences(a, b, args.min_ms)
+    print(f"\nops whose self {kind} time a step differs by {args.min_ms:g} ms or more (rows overlap: an op's "
+          "time is also its kernels'; do not sum them)")
+    print("| op | a ms | b ms | b - a ms | a calls | b calls |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {short(r['name'], args.width)} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['diff_ms']:+.2f} | "
+              f"{r['a_calls']:g} | {r['b_calls']:g} |")
+    if not rows:
+        print("| (none) | | | | | |")
+
+
+if __name__ == "__main__":
+    sys.exit(exit_status(main, sys.argv[1:]))

@@ -1,0 +1,108 @@
+"""``benchmarks/profile_diff.py``: two ``profile_step.py`` op tables side by side, per step, against hand-worked
+files; its command line's tables and its refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.profile_diff import differences, main, short, summary
+from utils.core.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _op(name, calls, device_us, cpu_us=0.0):
+    return {"name": name, "calls": calls, "device_time_total_us": device_us, "self_device_time_total_us": device_us,
+            "cpu_time_total_us": cpu_us, "self_cpu_time_total_us": cpu_us}
+
+
+def _profile(steps, ops, **extra):
+    return {"config": "mp", "steps": steps, "step_ms": 100.0, "ops": ops, **extra}
+
+
+# a: 2 profiled steps; b: 4. Per step: gemm 1.0 -> 2.0 ms (+1.0), calls 3 -> 3; attention 4.0 -> 3.5 (-0.5);
+# copy 0.2 -> 0.3 (+0.1, under 0.3); send only in b (+0.75); all-gather only in a (-0.8)
+A = _profile(2, [_op("gemm", 6, 2000), _op("attention(q, k, v)", 2, 8000), _op("copy", 4, 400),
+                 _op("ncclDevKernel_AllGather_RING_LL(args)", 2, 1600)],
+             profiled_step_ms=98.0, gpu_time_ms={"span": 90.0, "busy": 85.0, "idle": 5.0, "compute": 70.0,
+                                                 "communication": 16.0, "exposed": 15.0})
+B = _profile(4, [_op("gemm", 12, 8000), _op("attention(q, k, v)", 4, 14000), _op("copy", 8, 1200),
+                 _op("ncclDevKernel_SendRecv(args)", 8, 3000)],
+             profiled_step_ms=99.0, gpu_time_ms={"span": 91.0, "busy": 88.0, "idle": 3.0, "compute": 80.0,
+                                                 "communication": 12.0, "exposed": 2.0})
+
+
+def test_hand_worked_differences_per_step_largest_first():
+    kind, rows = differences(A, B, min_ms=0.3)
+    assert kind == "device"
+    assert [r["name"] for r in rows] == ["gemm", "ncclDevKernel_AllGather_RING_LL(args)",
+                                         "ncclDevKernel_SendRecv(args)", "attention(q, k, v)"]
+    got = [[r["a_ms"], r["b_ms"], r["diff_ms"], r["a_calls"], r["b_calls"]] for r in rows]
+    want = [[1.0, 2.0, 1.0, 3, 3], [0.8, 0.0, -0.8, 1, 0], [0.0, 0.75, 0.75, 0, 2], [4.0, 3.5, -0.5, 1, 1]]
+    assert [pytest.approx(w) == g for w, g in zip(want, got)] == [True] * 4, got
+    assert [r["name"] for r in differences(A, B, min_ms=0.0)[1]][-1] == "copy"  # 0.1 ms: listed at 0
+
+
+def test_cpu_profiles_compare_cpu_time():
+    """No device time in either file (a CPU run): the self CPU time is compared."""
+    a = _profile(1, [_op("aten::addmm", 2, 0, cpu_us=5000)])
+    b = _profile(1, [_op("aten::addmm", 2, 0, cpu_us=3000)])
+    kind, rows = differences(a, b, 0.3)
+    assert kind == "CPU" and [(r["name"], r["diff_ms"]) for r in rows] == [("aten::addmm", pytest.approx(-2.0))]
+
+
+def test_summary_holds_only_the_figures_both_files_have():
+    assert summary(A, B)[:3] == [("step ms", 100.0, 100.0), ("profiled step ms", 98.0, 99.0),
+                                 ("GPU span ms", 90.0, 91.0)]
+    assert summary(A, _profile(1, [])) == [("step ms", 100.0, 100.0)]  # a CPU profile has no split
+
+
+def test_short_names_cut_at_the_arguments():
+    assert short("void cudnn::fusion::convert_dq<true>(void const*, int)", 90) == "void cudnn::fusion::convert_dq<true>"
+    assert short("x" * 20, 10) == "xxxxxxx..." and short("(odd)", 90) == "(odd)"
+
+
+def test_command_line_prints_both_tables(tmp_path, capsys):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    pa, pb = tmp_path / "a" / "p.json", tmp_path / "b" / "p.json"
+    pa.write_text(json.dumps(A)), pb.write_text(json.dumps(B))
+    main([str(pa), str(pb), "--min_ms", "0.6"])
+    out = capsys.readouterr().out
+    assert "| | a/p.json (a) | b/p.json (b) | b - a |" in out and "| GPU exposed ms | 15.00 | 2.00 | -13.00 |" in out
+    assert "| gemm | 1.00 | 2.00 | +1.00 | 3 | 3 |" in out and "| ncclDevKernel_SendRecv | 0.00 | 0.75 | +0.75 | 0 | 2 |" in out
+    assert "attention" not in out and "self device time" in out
+    main([str(pa), str(pa)])
+    assert "| (none) | | | | | |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{", "is not JSON"),
+    (json.dumps([1]), "is not a JSON written by profile_step.py --out"),
+    (json.dumps({**A, "steps": 0}), "it needs steps, step_ms and ops"),
+    (json.dumps({**A, "steps": True}), "it needs steps"),
+    (json.dumps({**A, "ops": [{"name": "x", "calls": 1}]}), "each op with name, calls and self times"),
+    (json.dumps({**A, "step_ms": "fast"}), "it needs steps, step_ms and ops"),
+])
+def test_a_file_that_is_not_profile_steps_is_refused(tmp_path, content, words):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(A))
+    with pytest.raises(UserError, match=words):
+        main([str(good), str(bad)])
+
+
+def test_refusals_are_one_line_from_the_command(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(A))
+    for args, words in [([str(good), str(tmp_path / "none.json")], "cannot read"),
+                        ([str(good), str(good), "--min_ms", "nan"], "--min_ms must be >= 0")]:
+        proc = subprocess.run([sys.executable, "benchmarks/profile_diff.py", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.startswith("error: ") and words in proc.stderr and proc.stderr.count("\n") == 1
