@@ -17,8 +17,8 @@ the attention kernels run in halves, the GEMMs slow beside NCCL, layout copies, 
   in the other, under another number.
 * On the CPU (no device time in either file) the self CPU time is compared instead.
 
-It prints only; the files are read as JSON and checked, and a file that is not ``profile_step.py``'s is refused
-with one ``error:`` line.
+It prints only; the files are read as JSON and checked. A file that is not ``profile_step.py``'s, or a GPU
+profile put against a CPU one, is refused with one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -75,9 +75,16 @@ def per_step(profile: dict, key: str) -> dict[str, tuple[float, float]]:
 def differences(a: dict, b: dict, min_ms: float) -> tuple[str, list[dict]]:
     """The time compared (device time, or CPU time when neither file has any) and the ops whose per-step self
     time differs by at least ``min_ms`` between ``a`` and ``b``: ``name``, ``a_ms``, ``b_ms``, ``diff_ms``
-    (b - a), ``a_calls``, ``b_calls``, the largest ``|diff_ms|`` first (then by name)."""
-    on_device = any(op[TIMES[0]] for op in a["ops"] + b["ops"])
-    key = TIMES[0] if on_device else TIMES[1]
+    (b - a), ``a_calls``, ``b_calls``, the largest ``|diff_ms|`` first (then by name).
+
+    Raises:
+        UserError: one file has device time and the other none (a GPU profile against a CPU one).
+    """
+    a_device, b_device = (any(op[TIMES[0]] for op in p["ops"]) for p in (a, b))
+    if a_device != b_device:
+        raise UserError(f"{'a' if a_device else 'b'} is a GPU profile and {'b' if a_device else 'a'} a CPU one "
+                        "(no device time); compare two profiles of one kind of device")
+    key = TIMES[0] if a_device else TIMES[1]
     ta, tb = per_step(a, key), per_step(b, key)
     rows = []
     for name in ta.keys() | tb.keys():
@@ -85,7 +92,7 @@ def differences(a: dict, b: dict, min_ms: float) -> tuple[str, list[dict]]:
         if abs(b_ms - a_ms) >= min_ms:
             rows.append({"name": name, "a_ms": a_ms, "b_ms": b_ms, "diff_ms": b_ms - a_ms, "a_calls": a_calls,
                          "b_calls": b_calls})
-    return ("device" if on_device else "CPU"), sorted(rows, key=lambda r: (-abs(r["diff_ms"]), r["name"]))
+    return ("device" if a_device else "CPU"), sorted(rows, key=lambda r: (-abs(r["diff_ms"]), r["name"]))
 
 
 def summary(a: dict, b: dict) -> list[tuple[str, float, float]]:
@@ -119,11 +126,11 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     if not (args.min_ms >= 0 and math.isfinite(args.min_ms)) or args.width < 10:
         raise UserError(f"--min_ms must be >= 0 and --width >= 10 (got {args.min_ms}, {args.width})")
-    a, b = read_profile(args.a), read_profile(args.b)  # both checked before any output
+    a, b = read_profile(args.a), read_profile(args.b)
+    kind, rows = differences(a, b, args.min_ms)  # both checked, and of one kind, before any output
     print(f"| | {file_label(args.a)} (a) | {file_label(args.b)} (b) | b - a |\n|---|---|---|---|")
     for label, va, vb in summary(a, b):
         print(f"| {label} | {va:.2f} | {vb:.2f} | {vb - va:+.2f} |")
-    kind, rows = differences(a, b, args.min_ms)
     print(f"\nops whose self {kind} time a step differs by {args.min_ms:g} ms or more (rows overlap: an op's "
           "time is also its kernels'; do not sum them)")
     print("| op | a ms | b ms | b - a ms | a calls | b calls |\n|---|---|---|---|---|---|")

@@ -56,6 +56,12 @@ def test_cpu_profiles_compare_cpu_time():
     assert kind == "CPU" and [(r["name"], r["diff_ms"]) for r in rows] == [("aten::addmm", pytest.approx(-2.0))]
 
 
+def test_a_gpu_profile_against_a_cpu_one_is_refused():
+    cpu = _profile(1, [_op("aten::addmm", 2, 0, cpu_us=5000)])
+    with pytest.raises(UserError, match="b is a GPU profile and a a CPU one"):
+        differences(cpu, B, 0.3)
+
+
 def test_summary_holds_only_the_figures_both_files_have():
     assert summary(A, B)[:3] == [("step ms", 100.0, 100.0), ("profiled step ms", 98.0, 99.0),
                                  ("GPU span ms", 90.0, 91.0)]
