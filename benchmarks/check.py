@@ -397,9 +397,9 @@ def main(argv: list[str], run: Callable = run_variant, checkpoint: Callable | No
     reference = read_reference(ref_path, device)  # before any run: a wrong reference wastes no GPU time
     settings = {"config": args.config, "amp_modes": args.amp_modes, "train_args": extra,
                 "data_path": args.data_path and str(Path(args.data_path).absolute())}
-    checkpoint = checkpoint or run_checkpoint_benchmark
     if args.resume:
-        run, checkpoint = keeping(run, checkpoint, Path(args.resume), *read_resumed(Path(args.resume), device, settings))
+        run, checkpoint = keeping(run, checkpoint or run_checkpoint_benchmark, Path(args.resume),
+                                  *read_resumed(Path(args.resume), device, settings))
     measure = Measure(args, extra, run, checkpoint, gpu_count() if gpus is None else gpus)
     results = Results(Path(args.out), command=" ".join([sys.executable, __file__, *argv]), **settings,
                       reference_path=str(ref_path), metrics=measure.metrics)
