@@ -68,3 +68,18 @@ def test_time_forcings_need_dated_files_but_grid_ones_do_not(tiny_data, tmp_path
         dataset_forcings(config(tiny_data, forcings=NAMES), dataset, lat, "cpu")
     inputs = dataset_forcings(config(tiny_data, forcings=("sin_latitude",)), dataset, lat, "cpu")
     assert inputs(torch.tensor([1]), 0).shape == (1, 1, 32, 64)
+
+
+def test_time_forcings_without_cftime_name_the_extra_and_grid_ones_need_none(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "cftime" else find_spec(name, *args))
+    monkeypatch.setitem(sys.modules, "cftime", None)  # any import of it now fails
+    cfg = config(tmp_path, forcings=NAMES, img_size=(8, 16))
+    with pytest.raises(UserError, match=r"forcing cos_solar_zenith_angle needs cftime.*pip install -e '\.\[data\]'"):
+        nominal_forcings(cfg, 6.0, "cpu")
+    grid = nominal_forcings(config(tmp_path, forcings=("sin_latitude",), static_fields=("lsm",), img_size=(8, 16)),
+                            6.0, "cpu")
+    assert grid(torch.tensor([0, 5]), 0).shape == (2, 2, 8, 16)

@@ -15,6 +15,7 @@ fields are computed on the device.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -87,9 +88,13 @@ def check_inputs(cfg: DataConfig) -> None:
     """Stop on forcing names that do not exist or a name given twice among forcings and static fields.
 
     Raises:
-        UserError: naming the nearest forcing and the full list.
+        UserError: naming the nearest forcing and the full list; a forcing of the valid time without cftime.
     """
     check_forcing_names(cfg.forcings)
+    timed = [n for n in cfg.forcings if n in TIME_FORCINGS]
+    if timed and importlib.util.find_spec("cftime") is None:
+        raise UserError(f"the forcing {timed[0]} needs cftime (the valid times in the data's calendar), which is not "
+                        "installed: pip install -e '.[data]', or drop it from --forcings")
     twice = sorted({n for n in cfg.static_fields if list(cfg.static_fields).count(n) > 1})
     if twice:
         raise UserError(f"static field {twice[0]} is listed twice in --static_fields; list each once")
@@ -144,15 +149,21 @@ def nominal_forcings(cfg: DataConfig, step_hours: float, device, seed: int = 0) 
     if not cfg.forcings and not cfg.static_fields:
         return None
     check_inputs(cfg)
-    import cftime
     (h, w), dt = cfg.img_size, cfg.dt
-    start = cftime.datetime.strptime(NOMINAL_START, "%Y-%m-%dT%H:%M:%S", calendar="standard")
-    step = TimeStep.from_hours(step_hours)
     static = None
     if cfg.static_fields:  # numpy's generator: the planner's dry run builds this under a fake-tensor mode
         static = np.random.default_rng(seed).standard_normal((len(cfg.static_fields), h, w), dtype=np.float32)
     return InputForcings(cfg.forcings, equiangular_latitudes(h), np.linspace(0, 360, w, endpoint=False), static,
-                         lambda i, j: step.add(start, i + (j + 1) * dt), device)
+                         _nominal_time(step_hours, dt) if any(n in TIME_FORCINGS for n in cfg.forcings) else None,
+                         device)
+
+
+def _nominal_time(step_hours: float, dt: int) -> Callable[[int, int], object]:
+    """``(sample i, application j) -> valid time`` of synthetic data: ``i`` steps after ``NOMINAL_START``."""
+    import cftime  # the data extra; check_inputs has named it when missing
+    start = cftime.datetime.strptime(NOMINAL_START, "%Y-%m-%dT%H:%M:%S", calendar="standard")
+    step = TimeStep.from_hours(step_hours)
+    return lambda i, j: step.add(start, i + (j + 1) * dt)
 
 
 def package_forcings(cfg: DataConfig, package: dict, latitude: np.ndarray, longitude: np.ndarray,
