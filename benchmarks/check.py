@@ -38,14 +38,17 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
   to bf16_pure, train loss);
 * ``scaling``: on every GPU of this machine (2 or more), DDP weak scaling of ``--config``, compute only, in the
   precision of the highest ceiling, local batch that of one GPU, ``--bucket_cap_mb 200``: samples/s and its
-  share of n x the one-GPU ceiling.
+  share of n x the one-GPU ceiling; then the ceiling run on each of the n GPUs at the same time, one process a
+  GPU: the slowest over the fastest (the GPUs' spread, which moves the share of n x one GPU's ceiling by as much)
+  and DDP's share of their sum (what DDP itself loses, each GPU at its own pace and the host shared alike).
 
 Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``, ``fp8_zero3``) a failed run
 is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The
 DDP run of ``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. A metric missing
 from the reference is reported as new: the H200 reference holds ``tp``, ``tp_async``, ``cp``, ``fp8_zero3``,
 ``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` (its rowwise run through ``--resume``); the H100 one
-``ceiling``, ``e2e``, ``fp8``, ``checkpoint`` and ``tp``.
+``ceiling``, ``e2e``, ``fp8``, ``checkpoint``, ``tp`` and ``scaling`` (but not its ceilings at once), and in part
+``tp_async`` (async tp), ``modes`` (rollout, ensemble) and ``fp8_vit2b`` (bf16_pure).
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
@@ -69,8 +72,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -78,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import multi_gpu  # noqa: E402
 from benchmarks.check_files import SAVES, gpu_slug, keeping, read_reference, read_resumed  # noqa: E402
-from benchmarks.common import ROOT, Results, run_variant, table  # noqa: E402
+from benchmarks.common import ROOT, Results, kill_running, run_variant, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 from utils.core.signals import StopOnSignal  # noqa: E402
 
@@ -140,12 +145,31 @@ class Measure:
               gpus: int = 1, measurement: str | None = None) -> dict:
         """Two epochs of ``config`` (default ``--config``; ``steps`` per epoch, default its own) with ``args``, on
         ``gpus`` GPUs (more than 1: torchrun); the row, kept under ``measurement`` (default ``name``)."""
+        launch = {"launcher": multi_gpu.torchrun(gpus)} if gpus > 1 else {}
+        return self.checked(measurement or name, self.launch(name, args, config, steps, **launch), name)
+
+    def launch(self, name: str, args: list[str], config: str | None = None, steps: int | None = None,
+               **launch) -> dict:
+        """:meth:`train`'s run, unchecked (``launch``: ``run_variant``'s launcher and env)."""
         a = self.args
         common = ["--config", config or a.config, "--data_path", str(Path(a.data_path).absolute()), "--num_iters",
                   str(2 * (steps or a.steps_per_epoch)), "--valid_every", "2", "--log_every", "1000"]
-        launch = {"launcher": multi_gpu.torchrun(gpus)} if gpus > 1 else {}
-        return self.checked(measurement or name,
-                            self.run_fn(name, common + args + self.extra, Path(a.expdir).absolute(), **launch), name)
+        return self.run_fn(name, common + args + self.extra, Path(a.expdir).absolute(), **launch)
+
+    def at_once(self, name: str, args: list[str], n: int, measurement: str) -> list[dict]:
+        """The one-GPU run ``args`` on each of this machine's ``n`` GPUs at the same time (one process a GPU,
+        ``CUDA_VISIBLE_DEVICES`` of the visible ones), named ``<name>_gpu<i>``: the rows, in GPU order. A stop
+        kills all of them."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",")[:n] if visible else [str(i) for i in range(n)]
+        with ThreadPoolExecutor(n) as pool:
+            try:
+                rows = list(pool.map(lambda i: self.launch(f"{name}_gpu{i}", args, env={
+                    "CUDA_VISIBLE_DEVICES": ids[i]}), range(n)))
+            except BaseException:  # a stop reaches the main thread only: the other threads' runs go too
+                kill_running()
+                raise
+        return [self.checked(measurement, row, f"{name}_gpu{i}") for i, row in enumerate(rows)]
 
     def best_mode(self) -> str:
         """The precision of the highest ceiling measured (the first of ``--amp_modes`` without one)."""
@@ -243,7 +267,8 @@ class Measure:
 
     def scaling(self) -> None:
         """DDP on every GPU of this machine (2 or more), the one-GPU ceiling's run per GPU: samples/s and its
-        share of n x that ceiling (measured here first when ``ceiling`` did not run)."""
+        share of n x that ceiling (measured here first when ``ceiling`` did not run); then the ceiling on all n
+        GPUs at once (:meth:`at_once`): their spread and DDP's share of their sum."""
         n = self.gpus
         if self.skip_below("scaling", 2):
             return
@@ -257,6 +282,11 @@ class Measure:
             "--limit_nsamples", str(n * a.global_batch * a.steps_per_epoch)], gpus=n, measurement="scaling")
         self.metrics[f"DDP {n} GPUs samples/s"] = row["samples_per_s"]
         self.metrics[f"DDP {n} GPUs / {n} x ceiling"] = row["samples_per_s"] / (n * self.ceilings()[mode])
+        # each GPU's own pace, the host shared as under DDP: the share DDP itself loses, GPU spread aside
+        alone = [r["samples_per_s"] for r in self.at_once(f"ceiling_{mode}", SYNTHETIC + ["--amp_mode", mode], n,
+                                                          "scaling")]
+        self.metrics[f"{n} one-GPU ceilings at once, slowest / fastest"] = min(alone) / max(alone)
+        self.metrics[f"DDP {n} GPUs / sum of {n} one-GPU ceilings at once"] = row["samples_per_s"] / sum(alone)
 
     def checkpoint(self) -> None:
         a = self.args

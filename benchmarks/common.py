@@ -17,24 +17,39 @@ from utils.core.files import write_json_atomic
 ROOT = Path(__file__).resolve().parents[1]
 
 
+RUNNING: set[subprocess.Popen] = set()  # the runs in flight, in any thread: kill_running() stops them
+
+
 def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | None = None,
-                timeout: int = 900, entry: str = "train.py") -> dict:
-    """Run ``train.py`` (under ``launcher``, e.g. torchrun) with ``args``; return its last epoch's metrics.
+                timeout: int = 900, entry: str = "train.py", env: dict[str, str] | None = None) -> dict:
+    """Run ``train.py`` (under ``launcher``, e.g. torchrun; with ``env`` added to the environment) with ``args``;
+    return its last epoch's metrics.
 
     The result holds the variant name, the command, the exit status and, on success, the fields of the
-    last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory/..., ...).
+    last line of ``metrics.jsonl`` (samples_per_s, mfu, data_wait_share, memory/..., ...). Safe to call from
+    several threads at once (runs side by side); a stop then calls :func:`kill_running`.
     """
     # a fresh, named run directory per call (train.py refuses to reuse one)
     run_num = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     cmd = (launcher or [sys.executable]) + [str(ROOT / entry), *args, "--expdir", str(expdir),
                                             "--run_num", run_num, "--save_checkpoint", "false"]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    except subprocess.TimeoutExpired as exc:  # killed by run(); a failed variant, not a crash of the benchmark
-        proc = subprocess.CompletedProcess(cmd, None, _text(exc.stdout), _text(exc.stderr) + f"\ntimed out after "
-                                           f"{timeout} s (run_variant's timeout)")
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))) as child:
+        RUNNING.add(child)
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+            code = child.returncode
+        except subprocess.TimeoutExpired:  # a failed variant, not a crash of the benchmark
+            child.kill()
+            stdout, stderr = child.communicate()
+            code, stderr = None, stderr + f"\ntimed out after {timeout} s (run_variant's timeout)"
+        except BaseException:  # a stop (StopOnSignal) in this thread: the run goes with it
+            child.kill()
+            raise
+        finally:
+            RUNNING.discard(child)
+    proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
     result = {"variant": name, "command": " ".join(cmd), "returncode": proc.returncode,
               "wall_s": round(time.perf_counter() - t0, 1),
               "profiler_log": [line for line in proc.stdout.splitlines() if "CUDA profiler" in line]}
@@ -54,9 +69,10 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     return result
 
 
-def _text(output: bytes | str | None) -> str:
-    """A timed-out process's captured output as text (``TimeoutExpired`` may hold bytes even with ``text=True``)."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+def kill_running() -> None:
+    """Kill every :func:`run_variant` run in flight (those of other threads, when the main thread is stopped)."""
+    for child in list(RUNNING):
+        child.kill()
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -424,7 +426,8 @@ def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_
     from benchmarks.check import TP_SHARE, main
     speeds = {"mp_tp1_cp1": 140.0, "mp_tp2_cp1": 110.0, "mp_tp2_cp1_async": 126.0, "mp_tp2_cp1_nosp": 112.0,
               "mp_tp2_cp1_buckets": 114.0,
-              "mp_tp1_cp2": 125.0, "mp_tp1_cp2_ring": 133.0, "ceiling_bf16_pure": 180.0, "scaling_4gpu": 700.0}
+              "mp_tp1_cp2": 125.0, "mp_tp1_cp2_ring": 133.0, "ceiling_bf16_pure": 180.0, "scaling_4gpu": 700.0,
+              **{f"ceiling_bf16_pure_gpu{i}": 178.0 + i for i in range(4)}}
     calls, run, _ = fake_check_runs(speeds, (0, 0))
     out = tmp_path / "levers.json"
     common = ["--reference", str(tmp_path / "none.json"), "--expdir", str(tmp_path / "runs"), "--out", str(out)]
@@ -468,13 +471,20 @@ def test_check_two_gpu_levers_share_one_ddp_run_and_scaling_uses_every_gpu(tiny_
     # scaling over 4 GPUs of tiny (global batch 8, 64 steps per epoch)
     assert not main([*common, "--data_path", str(tiny_data), "--config", "tiny", "--only", "scaling",
                      "--amp_modes", "bf16_pure"], run=run, gpus=4)
-    assert [c[0] for c in calls] == ["ceiling_bf16_pure", "scaling_4gpu"]
+    assert [c[0] for c in calls[:2]] == ["ceiling_bf16_pure", "scaling_4gpu"]
     name, args, launcher = calls[1]
     joined = " ".join(args)
     assert launcher[-1] == "--nproc_per_node=4" and "--bucket_cap_mb 200" in joined
     assert "--local_batch_size 8 --limit_nsamples 2048" in joined and args[args.index("--num_iters") + 1] == "128"
+    # then the ceiling on each GPU at once, one process a GPU (threads: in any order)
+    at_once = sorted(calls[2:], key=lambda c: c[0])
+    assert [(c[0], c[2]) for c in at_once] == [(f"ceiling_bf16_pure_gpu{i}", {"CUDA_VISIBLE_DEVICES": str(i)})
+                                               for i in range(4)]
+    assert all(c[1] == calls[0][1] for c in at_once)  # the ceiling's own arguments
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["DDP 4 GPUs / 4 x ceiling"] == pytest.approx(700 / 720)
+    assert metrics["4 one-GPU ceilings at once, slowest / fastest"] == pytest.approx(178 / 181)
+    assert metrics["DDP 4 GPUs / sum of 4 one-GPU ceilings at once"] == pytest.approx(700 / 718)
     assert not main([*common, "--data_path", str(tiny_data), "--config", "tiny", "--only", "scaling"], run=run, gpus=1)
     assert "[scaling] skipped: it needs 2 GPUs, this machine has 1" in capsys.readouterr().out
 
@@ -563,12 +573,66 @@ def test_check_stopped_by_sigterm_keeps_what_it_measured(tiny_data, tmp_path):
     assert [r["measurement"] for r in saved["results"]] == ["ceiling_bf16"]
 
 
+STOPPED_AT_ONCE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks import check, common
+
+def run(name, args, expdir, **launch):  # the ceilings at once are real processes (a sleeper each), the rest instant
+    if "_gpu" in name:
+        return common.run_variant(name, [], expdir, entry=sys.argv[2], **launch)
+    return {"variant": name, "returncode": 0, "samples_per_s": 100.0, "loss/train": 1.0, "command": ""}
+
+measure = check.main
+check.main = lambda argv: measure(argv, run=run, gpus=2)
+sys.exit(check.cli(sys.argv[3:]))
+"""
+SLEEPER = """
+import os, sys, time
+expdir = sys.argv[sys.argv.index("--expdir") + 1]
+with open(os.path.join(expdir, "pid" + os.environ["CUDA_VISIBLE_DEVICES"]), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def test_check_stopped_during_the_ceilings_at_once_kills_every_one(tiny_data, tmp_path):
+    """SIGTERM (a real signal to a real process) while the one-GPU ceilings run at once, one per visible GPU
+    (CUDA_VISIBLE_DEVICES 5,7): exit 75, scaling unfinished, and both runs gone, not only the main thread's."""
+    import signal
+    script, sleeper = tmp_path / "check_at_once.py", tmp_path / "sleeper.py"
+    out, runs = tmp_path / "c.json", tmp_path / "runs"
+    script.write_text(STOPPED_AT_ONCE)
+    sleeper.write_text(SLEEPER)
+    runs.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(sleeper), "--data_path", str(tiny_data),
+                             "--config", "tiny", "--only", "scaling", "--amp_modes", "bf16", "--reference",
+                             str(tmp_path / "none.json"), "--expdir", str(runs), "--out", str(out)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": "5,7"})
+    pids = [runs / "pid5", runs / "pid7"]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.read_text() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75 and "unfinished: scaling" in stdout, stdout + stderr
+    for pid in (int(p.read_text()) for p in pids):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_check_resume_runs_only_what_did_not_finish(tiny_data, tmp_path):
     """--resume an output that a stop cut short (during scaling) and where a run failed (vit_2b fp8): only those two
     run again; the finished runs and the checkpoint rows are kept, marked, and give the metrics of one whole run."""
     from benchmarks.check import main
     speeds = {"ceiling_bf16": 100.0, "ceiling_bf16_pure": 120.0, "fp8_vit2b_bf16_pure": 7.0, "fp8_vit2b_fp8": 8.4,
-              "fp8_vit2b_fp8_rowwise": 9.1, "scaling_2gpu": 230.0}
+              "fp8_vit2b_fp8_rowwise": 9.1, "scaling_2gpu": 230.0, "ceiling_bf16_pure_gpu0": 119.0,
+              "ceiling_bf16_pure_gpu1": 121.0}
     calls, run, checkpoint = fake_check_runs(speeds, (0.5, 0.1))
     argv = ["--data_path", str(tiny_data), "--config", "tiny", "--reference", str(tmp_path / "none.json"), "--only",
             "ceiling", "fp8_vit2b", "checkpoint", "scaling", "--", "--enable_jit", "false"]
@@ -586,7 +650,8 @@ def test_check_resume_runs_only_what_did_not_finish(tiny_data, tmp_path):
     calls.clear()
     main([*argv[:-3], "--out", str(resumed), "--resume", str(stopped), *argv[-3:]], run=run, checkpoint=checkpoint,
          gpus=2)
-    assert [c[0] for c in calls] == ["fp8_vit2b_fp8", "scaling_2gpu"]
+    assert [c[0] for c in calls[:2]] == ["fp8_vit2b_fp8", "scaling_2gpu"]
+    assert sorted(c[0] for c in calls[2:]) == ["ceiling_bf16_pure_gpu0", "ceiling_bf16_pure_gpu1"]
     saved = json.loads(resumed.read_text())
     assert saved["metrics"] == json.loads(whole.read_text())["metrics"]
     assert saved["metrics"]["vit_2b fp8 / bf16_pure"] == pytest.approx(1.2)
