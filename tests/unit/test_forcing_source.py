@@ -70,16 +70,11 @@ def test_time_forcings_need_dated_files_but_grid_ones_do_not(tiny_data, tmp_path
     assert inputs(torch.tensor([1]), 0).shape == (1, 1, 32, 64)
 
 
-def test_time_forcings_without_cftime_name_the_extra_and_grid_ones_need_none(tmp_path, monkeypatch):
-    import importlib.util
-    import sys
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name == "cftime" else find_spec(name, *args))
-    monkeypatch.setitem(sys.modules, "cftime", None)  # any import of it now fails
-    cfg = config(tmp_path, forcings=NAMES, img_size=(8, 16))
-    with pytest.raises(UserError, match=r"forcing cos_solar_zenith_angle needs cftime.*pip install -e '\.\[data\]'"):
-        nominal_forcings(cfg, 6.0, "cpu")
-    grid = nominal_forcings(config(tmp_path, forcings=("sin_latitude",), static_fields=("lsm",), img_size=(8, 16)),
-                            6.0, "cpu")
-    assert grid(torch.tensor([0, 5]), 0).shape == (2, 2, 8, 16)
+
+def test_synthetic_grid_forcings_and_static_fields_date_nothing(tmp_path):
+    """Without a forcing of the valid time no sample is dated: the fields come from the grid and the file alone."""
+    inputs = nominal_forcings(config(tmp_path, forcings=("sin_latitude",), static_fields=("lsm",), img_size=(8, 16)),
+                              6.0, "cpu")
+    assert inputs.valid_time is None and not inputs.timed
+    fields = inputs(torch.tensor([0, 5]), 1)
+    assert fields.shape == (2, 2, 8, 16) and torch.equal(fields[0], fields[1])

@@ -15,7 +15,6 @@ fields are computed on the device.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -88,13 +87,9 @@ def check_inputs(cfg: DataConfig) -> None:
     """Stop on forcing names that do not exist or a name given twice among forcings and static fields.
 
     Raises:
-        UserError: naming the nearest forcing and the full list; a forcing of the valid time without cftime.
+        UserError: naming the nearest forcing and the full list.
     """
     check_forcing_names(cfg.forcings)
-    timed = [n for n in cfg.forcings if n in TIME_FORCINGS]
-    if timed and importlib.util.find_spec("cftime") is None:
-        raise UserError(f"the forcing {timed[0]} needs cftime (the valid times in the data's calendar), which is not "
-                        "installed: pip install -e '.[data]', or drop it from --forcings")
     twice = sorted({n for n in cfg.static_fields if list(cfg.static_fields).count(n) > 1})
     if twice:
         raise UserError(f"static field {twice[0]} is listed twice in --static_fields; list each once")
@@ -160,7 +155,7 @@ def nominal_forcings(cfg: DataConfig, step_hours: float, device, seed: int = 0) 
 
 def _nominal_time(step_hours: float, dt: int) -> Callable[[int, int], object]:
     """``(sample i, application j) -> valid time`` of synthetic data: ``i`` steps after ``NOMINAL_START``."""
-    import cftime  # the data extra; check_inputs has named it when missing
+    import cftime
     start = cftime.datetime.strptime(NOMINAL_START, "%Y-%m-%dT%H:%M:%S", calendar="standard")
     step = TimeStep.from_hours(step_hours)
     return lambda i, j: step.add(start, i + (j + 1) * dt)

@@ -83,7 +83,7 @@ def check_forcing_names(names: Sequence[str]) -> None:
 def _days_in_year(year: int, calendar: str, has_year_zero: bool) -> int:
     """Days of ``year`` in ``calendar`` (cftime knows each calendar's leap rule and the 1582 switch of
     ``standard``)."""
-    import cftime  # the data extra: only data with times needs it
+    import cftime
     after = 1 if year == -1 and not has_year_zero else year + 1  # 1 BC is followed by AD 1 without a year 0
     start = cftime.datetime(year, 1, 1, calendar=calendar, has_year_zero=has_year_zero)
     return (cftime.datetime(after, 1, 1, calendar=calendar, has_year_zero=has_year_zero) - start).days
