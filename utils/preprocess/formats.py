@@ -71,8 +71,8 @@ def open_input(path: str | Path):
 
     Raises:
         InputNotFoundError: ``path`` does not exist.
-        LayoutError: a folder that is no zarr store, a missing optional package (xarray, cftime,
-            zarr, cfgrib/ecCodes; the message names the pip extra), a GRIB file with both several
+        LayoutError: a folder that is no zarr store, a missing optional package (xarray, zarr,
+            cfgrib/ecCodes; the message names the pip extra), a GRIB file with both several
             start times and several lead times, or xarray cannot read the input.
     """
     path = Path(path)
@@ -81,7 +81,6 @@ def open_input(path: str | Path):
                                  "folder with --input")
     kind = detect_format(path)
     _require("xarray", "data", "any input")
-    _require("cftime", "data", "any input")
     import xarray as xr  # optional dependencies (the data extra); only the converter needs them
 
     # cftime datetimes for every calendar: one way to count steps, in the input's own calendar
