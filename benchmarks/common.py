@@ -49,16 +49,15 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
             raise
         finally:
             RUNNING.discard(child)
-    proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
-    result = {"variant": name, "command": " ".join(cmd), "returncode": proc.returncode,
+    result = {"variant": name, "command": " ".join(cmd), "returncode": code,
               "wall_s": round(time.perf_counter() - t0, 1),
-              "profiler_log": [line for line in proc.stdout.splitlines() if "CUDA profiler" in line]}
+              "profiler_log": [line for line in stdout.splitlines() if "CUDA profiler" in line]}
     metrics = sorted(expdir.glob(f"*/*/{run_num}/metrics.jsonl"))
-    if proc.returncode != 0 or not metrics:
+    if code != 0 or not metrics:
         # the ranks' error lines first: torchrun's summary of the failure fills the tail of stderr
-        said = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()][-8:]
-        result["error"] = "\n".join(said) + "\n" + proc.stdout[-1500:] + proc.stderr[-1500:]
-        print(f"[{name}] FAILED ({proc.returncode}):\n{result['error']}", flush=True)
+        said = [line for line in (stdout + stderr).splitlines() if "error" in line.lower()][-8:]
+        result["error"] = "\n".join(said) + "\n" + stdout[-1500:] + stderr[-1500:]
+        print(f"[{name}] FAILED ({code}):\n{result['error']}", flush=True)
         return result
     epochs = [json.loads(line) for line in metrics[-1].read_text().strip().splitlines()]
     result.update(epochs[-1])
