@@ -47,8 +47,8 @@ is named and the runs that do not need it go on (the baselines, bf16_pure and DD
 DDP run of ``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. A metric missing
 from the reference is reported as new: the H200 reference holds ``tp``, ``tp_async``, ``cp``, ``fp8_zero3``,
 ``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` (its rowwise run through ``--resume``); the H100 one
-``ceiling``, ``e2e``, ``fp8``, ``checkpoint``, ``tp`` and ``scaling`` (but not its ceilings at once), and in part
-``tp_async`` (async tp), ``modes`` (rollout, ensemble) and ``fp8_vit2b`` (bf16_pure).
+``ceiling``, ``e2e``, ``fp8``, ``checkpoint``, ``tp``, ``modes``, ``fp8_vit2b`` and ``scaling`` (but not its
+ceilings at once), and in part ``tp_async`` (async tp).
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
