@@ -70,7 +70,6 @@ def test_time_forcings_need_dated_files_but_grid_ones_do_not(tiny_data, tmp_path
     assert inputs(torch.tensor([1]), 0).shape == (1, 1, 32, 64)
 
 
-
 def test_synthetic_grid_forcings_and_static_fields_date_nothing(tmp_path):
     """Without a forcing of the valid time no sample is dated: the fields come from the grid and the file alone."""
     inputs = nominal_forcings(config(tmp_path, forcings=("sin_latitude",), static_fields=("lsm",), img_size=(8, 16)),
