@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch._inductor.config as inductor_config
 from torch import nn
 from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -65,6 +64,7 @@ def enable_async_tp(model: nn.Module, announce: bool = False) -> None:
     Raises:
         ValueError: as :func:`use_plain_collectives`.
     """
+    import torch._inductor.config as inductor_config  # here: inductor takes ~1 s of CPU to import
     linears = use_plain_collectives(model)
     announce = announce and not inductor_config._micro_pipeline_tp
     inductor_config._micro_pipeline_tp = True

@@ -50,7 +50,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -260,4 +259,5 @@ def bucket_replicated_gradients() -> None:
     applies to every graph compiled afterwards in this process. Sequence parallelism's forward has no
     all-reduce, so only these gradients are bucketed; ``utils/config/validate.py`` refuses the setting
     without sequence parallelism or compile."""
+    import torch._inductor.config as inductor_config  # here: inductor takes ~1 s of CPU to import
     inductor_config.bucket_all_reduces_fx = "all"

@@ -27,9 +27,13 @@ import threading
 import traceback
 from pathlib import Path
 
-# what an entry point imports on its way to its first step; the fork server imports them once
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "h5py",
-           "tests.dist_utils", "networks.vit", "distributed.world", "training.loop.trainer", "utils.config.command_line"]
+# what an entry point imports on its way to its first step and its first validation (torch._dynamo: the
+# optimizer's constructor imports it, ~0.9 s; matplotlib: the figure of each validation, ~0.6 s) and what
+# evaluate.py adds; the fork server imports them once
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo",
+           "h5py", "tests.dist_utils", "networks.vit", "distributed.world", "training.loop.trainer",
+           "utils.config.command_line", "training.evaluation.plots", "training.evaluation.outputs",
+           "training.evaluation.scoring", "distributed.checkpoint.export", "xarray"]
 
 
 def exit_reason(exitcode: int | None) -> str:

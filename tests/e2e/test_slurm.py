@@ -281,7 +281,7 @@ def test_submit_pm_preempted_job_requeues_and_resumes_exactly(slurm_cluster, tin
     import torch
 
     cdir, env = slurm_cluster
-    num_iters = 200
+    num_iters = 64  # 4 epochs of 16 steps; the signal, sent at the first checkpoint (10), stopped runs at 13-17
     args = ["--config=tiny", "--data_path", str(tiny_data), "--yaml_config", "config/ViT.yaml",
             "--num_iters", str(num_iters), "--log_every", "50", "--checkpoint_every_steps", "10"]
     jobs: dict[str, str] = {}

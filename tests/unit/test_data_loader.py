@@ -913,10 +913,11 @@ def test_a_config_of_another_grid_is_stopped_naming_the_config_for_the_data():
     made_for = configs_for_data(DEFAULT_YAML, "./data/era5_sample")
     assert made_for == ["era5_sample"]
     with pytest.raises(UserError) as err:
-        check_crop((60, 120), (32, 64), "data/era5_sample", "tiny", made_for)
+        check_crop((60, 120), (32, 64), "data/era5_sample", "tiny", lambda: made_for)
     assert str(err.value) == ("the data at data/era5_sample are on a 60x120 grid but config tiny trains on img_size "
                               "[32,64], 28% of it: they are not this config's data; pass --config era5_sample (made "
                               "for these data), or --img_size [60,120] for the whole grid (a multiple of "
                               "--patch_size; --img_size crops as asked when given)")
-    check_crop((34, 67), (32, 64), "d", "tiny", [])  # most of the grid: a crop, warned about by the dataset
+    # most of the grid: a crop, warned about by the dataset; the config file is not read
+    check_crop((34, 67), (32, 64), "d", "tiny", lambda: pytest.fail("read the configs for a crop that passes"))
     assert load_config(DEFAULT_YAML, "tiny", {"img_size": "[8,16]"}).overrides == ("img_size",)  # asked for

@@ -141,7 +141,7 @@ class Trainer:
         """A named config's ``img_size`` that keeps less than half of the data's grid: another config's data."""
         if self.data.train_dataset is not None and "img_size" not in cfg.overrides:
             check_crop(self.data.train_dataset.grid, cfg.data.img_size, cfg.data.data_path, cfg.name,
-                       configs_for_data(cfg.yaml_config, cfg.data.data_path))
+                       lambda: configs_for_data(cfg.yaml_config, cfg.data.data_path))
 
     @staticmethod
     def _check_resume_source(cfg: Config, world: World) -> None:

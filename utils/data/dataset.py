@@ -11,6 +11,7 @@ step a file) give samples like hourly data, and hourly data gain the samples acr
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +68,11 @@ def warn_crop(grid: tuple[int, int], img_size: tuple[int, int], path: Path) -> N
 
 
 def check_crop(grid: tuple[int, int], img_size: tuple[int, int], data_path: str, config_name: str,
-               made_for: list[str]) -> None:
+               made_for: Callable[[], list[str]]) -> None:
     """Stop when a config's ``img_size`` keeps less than half of the data's grid points: the data are not the
     config's (``--config tiny --data_path data/era5_sample``), and training a corner of them, with an epoch
-    count made for other data, is no run anyone meant. ``made_for``: the named configs whose ``data_path`` is
-    these data. An ``--img_size`` given on the command line is a crop asked for, and is not checked here.
+    count made for other data, is no run anyone meant. ``made_for()``: the named configs whose ``data_path`` is
+    these data (called only to word the error: it parses the config file, ~0.4 s). An ``--img_size`` given on the command line is a crop asked for, and is not checked here.
 
     Raises:
         UserError: naming the configs made for these data and the overrides that use the whole grid.
@@ -79,7 +80,8 @@ def check_crop(grid: tuple[int, int], img_size: tuple[int, int], data_path: str,
     (h, w), (ch, cw) = grid, img_size
     if 2 * ch * cw >= h * w:
         return
-    configs = f"--config {' or --config '.join(made_for)} (made for these data), or " if made_for else ""
+    names = made_for()
+    configs = f"--config {' or --config '.join(names)} (made for these data), or " if names else ""
     raise UserError(f"the data at {data_path} are on a {h}x{w} grid but config {config_name} trains on img_size "
                     f"[{ch},{cw}], {100 * ch * cw / (h * w):.0f}% of it: they are not this config's data; pass "
                     f"{configs}--img_size [{h},{w}] for the whole grid (a multiple of --patch_size; --img_size "
