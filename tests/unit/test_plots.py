@@ -39,29 +39,31 @@ def prediction():
     return plots.prediction_figure(field + 50.0, field, "sp", "Pa", None, None, "tiny/1CPU/00", 800, "006h")
 
 
+# name -> (the figure, its axes: panels and colorbars)
 FIGURES = {
-    "prediction": prediction,
-    "skill": lambda: plots.skill_figure(scorecard(), CHANNELS, UNITS, "tiny/1CPU/00", 800),
-    "spectra": lambda: plots.spectra_figure(scorecard(), CHANNELS, UNITS, "tiny/1CPU/00", 800),
-    "rank histograms": lambda: plots.rank_histogram_figure(scorecard(), CHANNELS, "tiny/1CPU/00", 800),
+    "prediction": (prediction, 6),
+    "skill": (lambda: plots.skill_figure(scorecard(), CHANNELS, UNITS, "tiny/1CPU/00", 800), 12),
+    "spectra": (lambda: plots.spectra_figure(scorecard(), CHANNELS, UNITS, "tiny/1CPU/00", 800), 4),
+    "rank histograms": (lambda: plots.rank_histogram_figure(scorecard(), CHANNELS, "tiny/1CPU/00", 800), 4),
 }
 
 
 @pytest.mark.parametrize("name", FIGURES)
 def test_panels_stay_inside_the_figure_and_clear_of_each_other(name):
-    fig = FIGURES[name]()
+    draw, axes = FIGURES[name]
+    fig = draw()
     try:
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         page = fig.bbox
         boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]  # ticks, labels, title, legend (colorbars too)
-        assert len(boxes) == {"prediction": 6}.get(name, 12 if name == "skill" else 4)
+        assert len(boxes) == axes
         for box in boxes:
             assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, \
                 (box, page)
         for (i, a), (j, b) in itertools.combinations(enumerate(boxes), 2):
             assert not a.overlaps(b), f"panels {i} and {j} overlap: {a} {b}"
-        heading = fig._suptitle.get_window_extent(renderer)
+        [heading] = [text.get_window_extent(renderer) for text in fig.texts]  # the figure's title
         assert page.y0 <= heading.y0 and heading.y1 <= page.y1
         assert not any(heading.overlaps(box) for box in boxes)
         assert fig.get_layout_engine() is None  # measured layouts cost 0.6 s a figure (plots.MARGINS)

@@ -11,8 +11,8 @@ import numpy as np  # noqa: E402
 
 # Margins in inches around and between the panels of a figure: room for a title above each panel and the
 # figure's title, tick labels and an axis label below and to the left, and (``colorbar``) a labelled colorbar
-# to the right. Fixed, because matplotlib's constrained layout measures every text to place the panels,
-# which took 0.6 s a figure on a CPU: a third of a `tiny` epoch, which draws one figure per validation.
+# to the right. Fixed, because matplotlib's constrained layout measures every text to place the panels: 0.6 s
+# a figure on a CPU, where a `tiny` epoch trains in about 2 s and draws one figure at its validation.
 MARGINS = {"left": 0.85, "right": 0.3, "top": 0.8, "bottom": 0.6, "between_columns": 1.05, "between_rows": 0.85}
 COLORBAR = 0.6  # more room to the right of a panel with a labelled colorbar, inches
 
@@ -41,8 +41,8 @@ def panel_grid(rows: int, cols: int, panel: tuple[float, float], colorbar: bool 
     height = m["top"] + rows * panel[1] + (rows - 1) * m["between_rows"] + m["bottom"]
     # gridspec's wspace and hspace are fractions of the mean panel width and height
     spacing = dict(left=m["left"] / width, right=1 - m["right"] / width, bottom=m["bottom"] / height,
-                   top=1 - m["top"] / height, wspace=(m["between_columns"] + right_of_panel) / (panel[0] + right_of_panel),
-                   hspace=m["between_rows"] / panel[1])
+                   top=1 - m["top"] / height, hspace=m["between_rows"] / panel[1],
+                   wspace=(m["between_columns"] + right_of_panel) / (panel[0] + right_of_panel))
     return plt.subplots(rows, cols, figsize=(width, height), squeeze=False, gridspec_kw=spacing)
 
 
