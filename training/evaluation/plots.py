@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 
 # Margins in inches around and between the panels of a figure: room for a title above each panel and the
 # figure's title, tick labels and an axis label below and to the left, and (``colorbar``) a labelled colorbar
-# to the right. Fixed, because matplotlib's constrained layout measures every text to place the panels: 0.6 s
+# to the right. Fixed, because matplotlib's constrained layout measures every text to place the panels: 0.2-0.7 s
 # a figure on a CPU, where a `tiny` epoch trains in about 2 s and draws one figure at its validation.
 MARGINS = {"left": 0.85, "right": 0.3, "top": 0.8, "bottom": 0.6, "between_columns": 1.05, "between_rows": 0.85}
 COLORBAR = 0.6  # more room to the right of a panel with a labelled colorbar, inches

@@ -72,7 +72,8 @@ def check_crop(grid: tuple[int, int], img_size: tuple[int, int], data_path: str,
     """Stop when a config's ``img_size`` keeps less than half of the data's grid points: the data are not the
     config's (``--config tiny --data_path data/era5_sample``), and training a corner of them, with an epoch
     count made for other data, is no run anyone meant. ``made_for()``: the named configs whose ``data_path`` is
-    these data (called only to word the error: it parses the config file, ~0.4 s). An ``--img_size`` given on the command line is a crop asked for, and is not checked here.
+    these data, called only to word the error (it parses the config file). An ``--img_size`` given on the
+    command line is a crop asked for, and is not checked here.
 
     Raises:
         UserError: naming the configs made for these data and the overrides that use the whole grid.
