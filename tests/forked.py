@@ -72,10 +72,19 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _run(command: list[str], cwd: str, env: dict[str, str], out, err) -> None:
+def _run(command: list[str], cwd: str, env: dict[str, str], out, err, ignored: tuple[int, ...] = (),
+         stdin=None) -> None:
     """The child: become ``python *command`` in ``cwd`` with ``env``, its stdout and stderr going to ``out`` and
-    ``err`` (file paths, or the write ends of pipes as ``Connection`` objects), then exit with its status."""
+    ``err`` (file paths, or open files and pipes as ``Connection`` objects), ignoring the signals ``ignored``
+    (as a process started ignoring them does), reading ``stdin`` (a ``Connection``; else nothing), then exit
+    with its status."""
     os.chdir(cwd)
+    for signum in ignored:
+        signal.signal(signum, signal.SIG_IGN)
+    if stdin is not None:
+        os.dup2(stdin.fileno(), 0)
+        stdin.close()
+        sys.stdin = open(0, closefd=False, errors=sys.stdin.errors)
     os.environ.clear()
     os.environ.update(env)
     for fd, target in ((1, out), (2, err)):
@@ -111,8 +120,9 @@ def _run(command: list[str], cwd: str, env: dict[str, str], out, err) -> None:
     try:
         atexit._run_exitfuncs()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if not stream.closed:  # a script may close them, as json.tool closes stdout
+                stream.flush()
         os._exit(status)
 
 

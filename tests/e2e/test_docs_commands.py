@@ -33,8 +33,15 @@ above that; a quoted number off by more, or any word changed, fails (:func:`test
 To keep the runs short: every ``train.py``/``train_mp.py`` run of ``docs/`` trains ``--num_iters`` scaled by
 :data:`SCALE` (tiny's 800 iterations become 8; appended where the command gives none), on the fixture's
 small dataset; ``make train`` runs the Makefile's training line without the set-up; a ``sleep`` waits at most
-:data:`MAX_SLEEP` seconds (a signal sent then still lands during the run: its start-up alone takes longer).
+:data:`MAX_SLEEP` seconds. A run sent to the background (to be signalled), and the same command run again to
+resume it, train by :data:`BACKGROUND_SCALE` instead (80 iterations, seconds), so that the signal lands while
+the run is still going.
 The README runs as written, on the Makefile's data, so that its quoted numbers are the ones it produces.
+
+The ``python`` of every command is :mod:`tests.forked_python`'s: the run forks from a server that has torch,
+dynamo and matplotlib imported (seconds of CPU a command, most of a short command's time) and otherwise behaves
+as a fresh interpreter to the shell (status, output, signals, ``$!``); the processes that torchrun starts are
+fresh interpreters.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port, subprocess_env
+from tests.forked_python import ADDRESS_VARIABLE, PythonServer, install
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -56,6 +64,7 @@ SKIP_TAGS = {"GPU": "needs a GPU", "SLURM": "needs a SLURM cluster", "server": "
              "long": "takes minutes to hours", "input": "needs a file the reader supplies",
              "edits": "changes files of the repository"}
 SCALE = 8 / 800  # iterations of a documented training command that the test trains: one epoch of the fixture
+BACKGROUND_SCALE = 80 / 800  # the same for a run sent to the background: it outlasts MAX_SLEEP
 MAX_SLEEP = 2  # seconds
 MIN_RUN = 35  # commands run over all pages at least: a parser that stops finding them fails here
 # what the working copy does not link to: outputs of the commands, and what they must not change
@@ -251,9 +260,9 @@ def makefile_training() -> str:
     return lines[0].replace("$(BIN)/python", "python")
 
 
-def runnable(cmd: Command, scaled: bool = True) -> str:
-    """The shell text the test runs for ``cmd``: shortened as the module docstring says (as written: not
-    ``scaled``)."""
+def runnable(cmd: Command, scaled: bool = True, scale: float = SCALE) -> str:
+    """The shell text the test runs for ``cmd``: shortened as the module docstring says, its iterations by
+    ``scale`` (as written: not ``scaled``)."""
     text = makefile_training() if cmd.text == "make train" else cmd.text
     if not scaled:
         return text
@@ -263,17 +272,19 @@ def runnable(cmd: Command, scaled: bool = True) -> str:
     assert not re.search(r";|&&|\|", text), f"{cmd.page}:{cmd.line}: keep a training command alone on its line"
     if re.search(r"--num_iters[ =]\d+", text):
         return re.sub(r"--num_iters([ =])(\d+)",
-                      lambda m: f"--num_iters{m.group(1)}{max(1, round(int(m.group(2)) * SCALE))}", text)
+                      lambda m: f"--num_iters{m.group(1)}{max(1, round(int(m.group(2)) * scale))}", text)
     body, background = (text[:-1].rstrip(), " &") if text.endswith("&") else (text, "")
-    return f"{body} --num_iters {round(800 * SCALE)}{background}"
+    return f"{body} --num_iters {round(800 * scale)}{background}"
 
 
 def script(commands: list[Command], logs: Path, scaled: bool = True) -> str:
     """A bash script running ``commands`` in order in one shell (so ``$!`` reaches the next line), checking each
     one's status and output; it prints ``ran N (S s)`` after each command that passed."""
     lines = ["set -u"]
+    background = {c.text[:-1].rstrip() for c in commands if c.text.endswith("&")}
     for n, cmd in enumerate(commands):
-        log, text = logs / f"{n}.log", runnable(cmd, scaled)
+        scale = BACKGROUND_SCALE if cmd.text.removesuffix("&").rstrip() in background else SCALE
+        log, text = logs / f"{n}.log", runnable(cmd, scaled, scale)
         lines += [f"export PET_MASTER_PORT={free_port()} MASTER_PORT={free_port()}",
                   f"echo '$ {cmd.page}:{cmd.line}: '{quote(text)}",
                   "t0=$SECONDS", "{", text, f"}} > {log} 2>&1", "status=$?", f"cat {log}"]
@@ -302,11 +313,24 @@ def working_copy(root: Path, data: Path) -> Path:
     return checkout
 
 
-def run_page(commands: list[Command], checkout: Path, logs: Path, scaled: bool = True) -> subprocess.CompletedProcess:
+def run_page(commands: list[Command], checkout: Path, logs: Path, python: tuple[Path, str],
+             scaled: bool = True) -> subprocess.CompletedProcess:
+    """Run ``commands`` (:func:`script`) in ``checkout``, ``python`` being the folder of the forking ``python``
+    command and its server's address (:mod:`tests.forked_python`)."""
     logs.mkdir(parents=True, exist_ok=True)
-    env = subprocess_env(PATH=f"{Path(sys.executable).parent}:{subprocess_env()['PATH']}")
+    env = subprocess_env(PATH=f"{python[0]}:{Path(sys.executable).parent}:{subprocess_env()['PATH']}",
+                         **{ADDRESS_VARIABLE: python[1]})
     return subprocess.run(["bash", "-c", script(commands, logs, scaled)], cwd=checkout, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1200 if not scaled else 600)
+
+
+@pytest.fixture(scope="session")
+def forking_python(tmp_path_factory):
+    """The ``python`` the pages' commands run (folder, server address): forked from a server with torch
+    imported, seconds of CPU less a command (:mod:`tests.forked_python`)."""
+    server = PythonServer()
+    yield install(tmp_path_factory.mktemp("python_bin")), server.address
+    server.close()
 
 
 @pytest.fixture(scope="session")
@@ -318,17 +342,17 @@ def makefile_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained_runs(tiny_data, tmp_path_factory) -> Path:
+def trained_runs(tiny_data, tmp_path_factory, forking_python) -> Path:
     """``runs/`` after ``make train`` in a working copy: the state every page but the README starts from."""
     root = tmp_path_factory.mktemp("docs_seed")
     checkout = working_copy(root, tiny_data)
-    result = run_page([Command("Makefile", 0, "make train")], checkout, root / "logs")
+    result = run_page([Command("Makefile", 0, "make train")], checkout, root / "logs", forking_python)
     assert result.returncode == 0, result.stdout[-3000:]
     return checkout / "runs"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(REPO).as_posix() for p in PAGES])
-def test_documented_commands_run(page, tiny_data, tmp_path, request):
+def test_documented_commands_run(page, tiny_data, tmp_path, request, forking_python):
     every, quotes = parse_page(page)
     commands = [c for c in every if c.skip is None]
     if not commands:
@@ -337,7 +361,7 @@ def test_documented_commands_run(page, tiny_data, tmp_path, request):
     checkout = working_copy(tmp_path, request.getfixturevalue("makefile_data") if readme else tiny_data)
     if not readme:
         shutil.copytree(request.getfixturevalue("trained_runs"), checkout / "runs")
-    result = run_page(commands, checkout, tmp_path / "logs", scaled=not readme)
+    result = run_page(commands, checkout, tmp_path / "logs", forking_python, scaled=not readme)
     ran = re.findall(r"^ran (\d+) ", result.stdout, re.M)
     assert result.returncode == 0 and ran and int(ran[-1]) == len(commands), result.stdout[-6000:]
     logs = {id(c): tmp_path / "logs" / f"{n}.log" for n, c in enumerate(commands)}

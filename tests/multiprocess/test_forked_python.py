@@ -1,0 +1,59 @@
+"""The forking ``python`` of the documented commands (``tests/forked_python.py``) behaves as a fresh interpreter
+to the shell: arguments, working directory, environment, input and output, exit status, signals and ``$!``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import subprocess_env
+from tests.forked_python import ADDRESS_VARIABLE, PythonServer, install
+
+SCRIPT = """import os, signal, sys, time
+print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "var", os.environ["PROBE"], "torch" in sys.modules)
+if sys.argv[1] == "wait":  # the handler train.py installs: a signal stops it with its own status
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
+    print("ready", os.getpid(), flush=True)
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def shell(tmp_path_factory):
+    """``run(script)``: bash ``script`` in a folder holding ``probe.py``, the forking ``python`` first on PATH."""
+    server = PythonServer()
+    folder = install(tmp_path_factory.mktemp("bin"))
+    work = tmp_path_factory.mktemp("work")
+    (work / "probe.py").write_text(SCRIPT)
+    env = subprocess_env(PATH=f"{folder}:{subprocess_env()['PATH']}", PROBE="x1", **{ADDRESS_VARIABLE: server.address})
+
+    def run(script: str) -> str:
+        done = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+    yield run
+    server.close()
+
+
+def test_a_run_gets_the_command_line_and_ends_with_its_status(shell):
+    out = shell('python probe.py 3 "a b"; echo "status $?"; echo \'{"k": 1}\' | python -m json.tool; '
+                'python -c "import sys; print(sys.argv)" x; python --version')
+    assert "argv ['3', 'a b'] cwd work" in out and "var x1 True" in out  # forked: torch already imported
+    assert "status 3" in out and '"k": 1' in out and "['-c', 'x']" in out
+    assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in out  # an option: the real interpreter
+
+
+def test_signals_reach_the_run_and_its_end_reaches_the_shell(shell):
+    out = shell("python probe.py wait > log 2>&1 & p=$!; until grep -q ready log; do sleep 0.1; done; "
+                'kill -USR1 $p; wait $p; echo "handled $?"; '
+                "python probe.py wait > log 2>&1 & p=$!; until grep -q ready log; do sleep 0.1; done; "
+                'kill -TERM $p; wait $p; echo "terminated $?"; '
+                "python probe.py wait > log 2>&1 & p=$!; until grep -q ready log; do sleep 0.1; done; "
+                'kill -INT $p; sleep 0.5; kill -0 $p && echo "SIGINT ignored in the background"; kill -KILL $p; '
+                'wait $p; echo "killed $?"; sleep 0.5; kill -0 "$(grep -o "[0-9]*$" log)" || echo "no run left"')
+    assert "handled 75" in out and "terminated 143" in out, out
+    assert "SIGINT ignored in the background" in out, out  # as bash starts a background job
+    assert "killed 137" in out and "no run left" in out, out  # SIGKILL of the client takes the run along
