@@ -14,3 +14,13 @@ def tiny_data(tmp_path_factory):
     from utils.preprocess.synthetic_dataset import make_synthetic_dataset
     return make_synthetic_dataset(tmp_path_factory.mktemp("tiny") / "data", channels=4, img_size=(32, 64),
                                   train_years=2, valid_years=1, steps_per_year=48, seed=0)
+
+
+@pytest.fixture(scope="session")
+def forking_python(tmp_path_factory):
+    """A ``python`` whose runs fork from a server with torch, dynamo and matplotlib imported (seconds of CPU less a
+    run) and that otherwise acts as a fresh interpreter: ``tests/forked_python.py``'s ``ForkingPython``."""
+    from tests.forked_python import ForkingPython, PythonServer, install
+    server = PythonServer()
+    yield ForkingPython(install(tmp_path_factory.mktemp("python_bin")), server.address)
+    server.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import io
 import multiprocessing
 import os
 import runpy
@@ -73,12 +74,14 @@ def _exit_code(code) -> int:
 
 
 def _run(command: list[str], cwd: str, env: dict[str, str], out, err, ignored: tuple[int, ...] = (),
-         stdin=None) -> None:
+         stdin=None, unbuffered: bool = False, executable: str | None = None) -> None:
     """The child: become ``python *command`` in ``cwd`` with ``env``, its stdout and stderr going to ``out`` and
     ``err`` (file paths, or open files and pipes as ``Connection`` objects), ignoring the signals ``ignored``
-    (as a process started ignoring them does), reading ``stdin`` (a ``Connection``; else nothing), then exit
-    with its status."""
+    (as a process started ignoring them does), reading ``stdin`` (a ``Connection``; else nothing), writing
+    through at once with ``unbuffered`` (``python -u``), ``executable`` as ``sys.executable`` (the command that
+    started it), then exit with its status."""
     os.chdir(cwd)
+    sys.executable = executable or sys.executable
     for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)
     if stdin is not None:
@@ -95,6 +98,10 @@ def _run(command: list[str], cwd: str, env: dict[str, str], out, err, ignored: t
         else:
             os.dup2(target.fileno(), fd)
             target.close()
+    if unbuffered:
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                                   encoding=stream.encoding, errors=stream.errors)
+                                  for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
     faulthandler.enable(all_threads=True)  # a fatal signal (SIGABRT, SIGSEGV) writes the Python stacks to stderr
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))

@@ -6,11 +6,13 @@ The documented commands (``tests/e2e/test_docs_commands.py``) run as a user type
 an executable ``python`` into a folder to put first on ``PATH``. That client starts in milliseconds (no site
 packages), sends its arguments, working directory, environment, the signals it ignores (bash's background
 jobs ignore SIGINT) and its stdin, stdout and stderr, and the server forks the run from the preloaded server
-(``tests.forked._run``: the same ``__main__``, ``sys.argv``, ``sys.path[0]``, exit status). The client stays in
+(``tests.forked._run``: the same ``__main__``, ``sys.argv``, ``sys.path[0]``, exit status; ``sys.executable`` is
+this ``python``, as an interpreter's is the path it was started by, so the processes a run starts fork too). The client stays in
 the shell's place: its pid is ``$!``, a signal sent to it goes on to the run, and it ends as the run ended (the
 same status, or killed by the same signal). A client killed outright (SIGKILL) takes the run with it: the
 server kills the run when the client's connection closes. A command line the server does not run (``python``
-options, a script that is not a file) gets the real interpreter.
+options but ``-u``, a script that is not a file, a process given more open files than the standard three) gets
+the real interpreter.
 
 This module imports the standard library only: the client imports it under ``python -SE``.
 """
@@ -24,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 ADDRESS_VARIABLE = "FORKED_PYTHON_SOCKET"
@@ -40,15 +43,32 @@ def forkable(argv: list[str]) -> bool:
     return not argv[0].startswith("-") and os.path.isfile(argv[0])
 
 
+def passed_files() -> bool:
+    """Whether the process that started this one left it files beyond stdin, stdout and stderr (as
+    multiprocessing's spawn and fork server do): a forked run would not have them."""
+    listed = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]  # with the listing's own, closed now
+    return any(_is_open(fd) for fd in listed)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def client(real_python: str) -> None:
     """The ``python`` command: send the run to the server named in the environment and end as it ends."""
     argv, address = sys.argv[1:], os.environ.get(ADDRESS_VARIABLE)
-    if not address or not forkable(argv):
+    unbuffered = argv[:1] == ["-u"]  # torchrun starts its workers with -u
+    if not address or not forkable(argv[unbuffered:]) or passed_files():
         os.execv(real_python, [real_python, *argv])
     ignored = [int(s) for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect("\0" + address)
-    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "ignored": ignored}
+    request = {"argv": argv[unbuffered:], "cwd": os.getcwd(), "env": dict(os.environ), "ignored": ignored,
+               "unbuffered": unbuffered, "executable": os.path.abspath(sys.argv[0])}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     pid = int(conn.recv(64))
     for signum in FORWARDED:
@@ -69,6 +89,25 @@ def install(folder: Path) -> Path:
                       f"from forked_python import client\nclient({sys.executable!r})\n")
     script.chmod(0o755)
     return folder
+
+
+@dataclass(frozen=True)
+class ForkingPython:
+    """An installed client (``folder/python``) and its server's address."""
+
+    folder: Path
+    address: str
+
+    @property
+    def python(self) -> str:
+        """The client's path: a command's interpreter, in place of ``sys.executable``."""
+        return str(self.folder / "python")
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """``base`` with the client first on ``PATH``, the server's address, and the client as torchrun's
+        workers' interpreter (torchrun's ``PYTHON_EXEC``)."""
+        return {**base, "PATH": f"{self.folder}:{base.get('PATH', os.defpath)}", ADDRESS_VARIABLE: self.address,
+                "PYTHON_EXEC": self.python}
 
 
 class PythonServer:
@@ -99,8 +138,10 @@ class PythonServer:
             data, fds, _, _ = socket.recv_fds(conn, MESSAGE, 3)
             request = json.loads(data)
             stdin, out, err = ends = [Connection(fd) for fd in fds]
-            process = context().Process(target=_run, args=(request["argv"], request["cwd"], request["env"], out, err,
-                                                            request["ignored"], stdin))
+            process = context().Process(target=_run, args=(request["argv"], request["cwd"], request["env"], out, err),
+                                        kwargs=dict(ignored=request["ignored"], stdin=stdin,
+                                                    unbuffered=request["unbuffered"],
+                                                    executable=request["executable"]))
             process.start()
             for end in ends:
                 end.close()

@@ -40,8 +40,8 @@ The README runs as written, on the Makefile's data, so that its quoted numbers a
 
 The ``python`` of every command is :mod:`tests.forked_python`'s: the run forks from a server that has torch,
 dynamo and matplotlib imported (seconds of CPU a command, most of a short command's time) and otherwise behaves
-as a fresh interpreter to the shell (status, output, signals, ``$!``); the processes that torchrun starts are
-fresh interpreters.
+as a fresh interpreter to the shell (status, output, signals, ``$!``); so do the workers torchrun starts (its
+``PYTHON_EXEC``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port, subprocess_env
-from tests.forked_python import ADDRESS_VARIABLE, PythonServer, install
+from tests.forked_python import ForkingPython
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -313,24 +313,13 @@ def working_copy(root: Path, data: Path) -> Path:
     return checkout
 
 
-def run_page(commands: list[Command], checkout: Path, logs: Path, python: tuple[Path, str],
+def run_page(commands: list[Command], checkout: Path, logs: Path, python: ForkingPython,
              scaled: bool = True) -> subprocess.CompletedProcess:
-    """Run ``commands`` (:func:`script`) in ``checkout``, ``python`` being the folder of the forking ``python``
-    command and its server's address (:mod:`tests.forked_python`)."""
+    """Run ``commands`` (:func:`script`) in ``checkout`` with the forking ``python``."""
     logs.mkdir(parents=True, exist_ok=True)
-    env = subprocess_env(PATH=f"{python[0]}:{Path(sys.executable).parent}:{subprocess_env()['PATH']}",
-                         **{ADDRESS_VARIABLE: python[1]})
+    env = python.env(subprocess_env(PATH=f"{Path(sys.executable).parent}:{subprocess_env()['PATH']}"))
     return subprocess.run(["bash", "-c", script(commands, logs, scaled)], cwd=checkout, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1200 if not scaled else 600)
-
-
-@pytest.fixture(scope="session")
-def forking_python(tmp_path_factory):
-    """The ``python`` the pages' commands run (folder, server address): forked from a server with torch
-    imported, seconds of CPU less a command (:mod:`tests.forked_python`)."""
-    server = PythonServer()
-    yield install(tmp_path_factory.mktemp("python_bin")), server.address
-    server.close()
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from tests.dist_utils import subprocess_env
-from tests.forked_python import ADDRESS_VARIABLE, PythonServer, install
 
 SCRIPT = """import os, signal, sys, time
-print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "var", os.environ["PROBE"], "torch" in sys.modules)
+print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "var", os.environ["PROBE"], "torch" in sys.modules,
+      "executable", os.path.basename(os.path.dirname(sys.executable)))
 if sys.argv[1] == "wait":  # the handler train.py installs: a signal stops it with its own status
     signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
     print("ready", os.getpid(), flush=True)
@@ -22,28 +22,29 @@ sys.exit(int(sys.argv[1]))
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory):
+def shell(tmp_path_factory, forking_python):
     """``run(script)``: bash ``script`` in a folder holding ``probe.py``, the forking ``python`` first on PATH."""
-    server = PythonServer()
-    folder = install(tmp_path_factory.mktemp("bin"))
     work = tmp_path_factory.mktemp("work")
     (work / "probe.py").write_text(SCRIPT)
-    env = subprocess_env(PATH=f"{folder}:{subprocess_env()['PATH']}", PROBE="x1", **{ADDRESS_VARIABLE: server.address})
+    env = forking_python.env(subprocess_env(PROBE="x1"))
 
     def run(script: str) -> str:
         done = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
-    yield run
-    server.close()
+    return run
 
 
 def test_a_run_gets_the_command_line_and_ends_with_its_status(shell):
     out = shell('python probe.py 3 "a b"; echo "status $?"; echo \'{"k": 1}\' | python -m json.tool; '
-                'python -c "import sys; print(sys.argv)" x; python --version')
-    assert "argv ['3', 'a b'] cwd work" in out and "var x1 True" in out  # forked: torch already imported
+                'python -c "import sys; print(sys.argv)" x; python --version; python -u probe.py 0 u; '
+                'python probe.py 0 fd 3<probe.py')
+    assert "argv ['3', 'a b'] cwd work0 var x1 True executable python_bin0" in out  # forked: torch already imported
     assert "status 3" in out and '"k": 1' in out and "['-c', 'x']" in out
-    assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in out  # an option: the real interpreter
+    assert "argv ['0', 'u'] cwd work0 var x1 True" in out  # -u, as torchrun starts its workers
+    # an option, or a file given beyond the standard three (multiprocessing's spawn): the real interpreter
+    assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in out
+    assert "argv ['0', 'fd'] cwd work0 var x1 False" in out
 
 
 def test_signals_reach_the_run_and_its_end_reaches_the_shell(shell):
