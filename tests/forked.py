@@ -84,24 +84,9 @@ def _run(command: list[str], cwd: str, env: dict[str, str], out, err, ignored: t
     sys.executable = executable or sys.executable
     for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)
-    if stdin is not None:
-        os.dup2(stdin.fileno(), 0)
-        stdin.close()
-        sys.stdin = open(0, closefd=False, errors=sys.stdin.errors)
     os.environ.clear()
     os.environ.update(env)
-    for fd, target in ((1, out), (2, err)):
-        if isinstance(target, str):
-            opened = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(opened, fd)
-            os.close(opened)
-        else:
-            os.dup2(target.fileno(), fd)
-            target.close()
-    if unbuffered:
-        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
-                                                   encoding=stream.encoding, errors=stream.errors)
-                                  for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
+    _redirect(out, err, stdin, unbuffered)
     faulthandler.enable(all_threads=True)  # a fatal signal (SIGABRT, SIGSEGV) writes the Python stacks to stderr
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -131,6 +116,27 @@ def _run(command: list[str], cwd: str, env: dict[str, str], out, err, ignored: t
             if not stream.closed:  # a script may close them, as json.tool closes stdout
                 stream.flush()
         os._exit(status)
+
+
+def _redirect(out, err, stdin, unbuffered: bool) -> None:
+    """Point file descriptors 0-2 where :func:`_run` says (stdin stays the fork server's empty one when ``stdin``
+    is None), and sys.stdout and sys.stderr, unbuffered with ``unbuffered``, at them."""
+    if stdin is not None:
+        os.dup2(stdin.fileno(), 0)
+        stdin.close()
+        sys.stdin = open(0, closefd=False, errors=sys.stdin.errors)
+    for fd, target in ((1, out), (2, err)):
+        if isinstance(target, str):
+            opened = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(opened, fd)
+            os.close(opened)
+        else:
+            os.dup2(target.fileno(), fd)
+            target.close()
+    if unbuffered:
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                                   encoding=stream.encoding, errors=stream.errors)
+                                  for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
 
 
 class Forked:
