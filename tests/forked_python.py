@@ -65,14 +65,23 @@ def client(real_python: str) -> None:
     if not address or not forkable(argv[unbuffered:]) or passed_files():
         os.execv(real_python, [real_python, *argv])
     ignored = [int(s) for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # a signal sent before the run exists reaches it then
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect("\0" + address)
     request = {"argv": argv[unbuffered:], "cwd": os.getcwd(), "env": dict(os.environ), "ignored": ignored,
                "unbuffered": unbuffered, "executable": os.path.abspath(sys.argv[0])}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
-    pid = int(conn.recv(64))
+    try:
+        reply = conn.recv(64)
+    except ConnectionResetError:  # closed with the request unread
+        reply = b""
+    if not reply:  # the server could not start the run: nothing ran, the real interpreter runs it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        os.execv(real_python, [real_python, *argv])
+    pid = int(reply)
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _frame: os.kill(pid, s))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     status = int(conn.recv(64))  # a forwarded signal interrupts the wait; recv resumes it (PEP 475)
     if status < 0:  # killed by a signal: so is the client, as the shell then reports it
         signal.signal(-status, signal.SIG_DFL)
@@ -134,7 +143,7 @@ class PythonServer:
         from multiprocessing.connection import Connection
 
         from tests.forked import _run, context
-        with conn:
+        with conn:  # an error here closes the connection before the pid is sent: the client runs it itself
             data, fds, _, _ = socket.recv_fds(conn, MESSAGE, 3)
             request = json.loads(data)
             stdin, out, err = ends = [Connection(fd) for fd in fds]
