@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,31 +13,34 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from tests.dist_utils import free_port, subprocess_env
 from tests.forked import run_forked
+from tests.forked_python import ForkingPython
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
          "--log_every", "1000", "--save_checkpoint", "false"]
 
 
-def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1,
+           python: ForkingPython | None = None) -> subprocess.CompletedProcess:
     """``python train.py QUICK ... args`` (forked, ``tests/forked.py``: torch already imported), or on ``ranks``
-    processes under torchrun (a fresh launcher: the records name it)."""
+    processes under torchrun (the records name it), launcher and workers run by the forking ``python``."""
     env = subprocess_env()
     command = [str(ROOT / "train.py"), *QUICK, "--data_path", str(data), "--expdir", str(tmp_path / "runs"), *args]
     if ranks == 1:
         return run_forked(command, tmp_path, env, timeout=300)
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+    launcher = [python.python, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                 f"--master_port={free_port()}"]
-    return subprocess.run([*launcher, *command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*launcher, *command], cwd=tmp_path, env=python.env(env), capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.fixture(scope="module")
-def four_runs(tiny_data, tmp_path_factory):
+def four_runs(tiny_data, tmp_path_factory, forking_python):
     """tiny at lr 1e-3 and 3e-3, each on one and on two ranks (torchrun)."""
     tmp = tmp_path_factory.mktemp("compare")
     for ranks in (1, 2):
         for lr in ("1e-3", "3e-3"):
-            proc = _train(tmp, tiny_data, "--lr", lr, ranks=ranks)
+            proc = _train(tmp, tiny_data, "--lr", lr, ranks=ranks, python=forking_python)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = sorted((tmp / "runs" / "tiny").glob("*CPU/*"))
     assert [r.relative_to(tmp / "runs" / "tiny").as_posix() for r in runs] == \

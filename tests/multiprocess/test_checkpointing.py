@@ -61,15 +61,17 @@ def test_compiled_full_checkpointing_recomputes_inside_autograd_functions():
 
 def test_compiled_full_checkpointing_gives_the_gradients_of_no_checkpointing():
     """The policy path under compile (torch warns that in-place ops in the region would break it) is exact on
-    our ViT: the same gradients as the compiled model without checkpointing."""
+    our ViT: the gradients of the model without checkpointing (eager: a second compilation would double the
+    test's time and differs from eager by under 1e-6 relative here)."""
     from networks.vit import VisionTransformer
     grads = []
     for ac in ("none", "full"):
         torch.manual_seed(0)
         model = VisionTransformer(img_size=(16, 32), patch_size=4, in_chans=2, out_chans=2, embed_dim=32, depth=2,
                                   num_heads=2)
-        apply_activation_checkpointing(model, ac, 0, compiled=True)
-        model.compile()
+        if ac == "full":
+            apply_activation_checkpointing(model, ac, 0, compiled=True)
+            model.compile()
         x = torch.randn(2, 2, 16, 32, generator=torch.Generator().manual_seed(1))
         model(x).square().mean().backward()
         grads.append([(name.replace("_checkpoint_wrapped_module.", ""), p.grad)

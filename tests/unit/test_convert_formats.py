@@ -3,6 +3,7 @@ format detection and the one-line errors for inputs it cannot read."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +52,18 @@ def expected(ds, index, level_dim: str = "level") -> np.ndarray:
     return np.stack([t[:, 0], t[:, 1], ds["t2m"].values[index]], axis=1)[:, :, ::-1]
 
 
-def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.convert_era5", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def run_cli(forking_python):
+    """``run_cli(*args)``: ``python -m tools.convert_era5 args`` under the forking python (xarray imported)."""
+    def run(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([forking_python.python, "-m", "tools.convert_era5", *map(str, args)], cwd=REPO,
+                              env=forking_python.env(dict(os.environ)), capture_output=True, text=True, timeout=120)
+    return run
 
 
 # ---------------------------------------------------------------- calendars
 
-def test_360_day_calendar_through_cli(tmp_path):
+def test_360_day_calendar_through_cli(tmp_path, run_cli):
     """6-hourly steps over 2001-02-29 and 2001-02-30, dates that exist only in a 360-day year."""
     times = xr.date_range("2001-02-29T12", periods=8, freq="6h", calendar="360_day", use_cftime=True)
     ds = weather(times)
@@ -267,7 +272,7 @@ BAD_INPUTS = [  # (file name, content or None for a folder, words of the error l
 
 
 @pytest.mark.parametrize("name,content,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_cli_unreadable_input_is_one_error_line(tmp_path, name, content, message):
+def test_cli_unreadable_input_is_one_error_line(tmp_path, name, content, message, run_cli):
     if name.endswith(".grib"):
         pytest.importorskip("cfgrib")
     path = tmp_path / name
