@@ -1,4 +1,4 @@
-"""A ``python`` command for shell scripts whose runs fork from ``tests/forked.py``'s server.
+"""A ``python`` command whose runs fork from ``tests/forked.py``'s server, for the commands tests start.
 
 The documented commands (``tests/e2e/test_docs_commands.py``) run as a user types them, in bash, each a fresh
 ``python`` that spends seconds of CPU importing torch, dynamo and matplotlib before its first line of work.
@@ -6,13 +6,13 @@ The documented commands (``tests/e2e/test_docs_commands.py``) run as a user type
 an executable ``python`` into a folder to put first on ``PATH``. That client starts in milliseconds (no site
 packages), sends its arguments, working directory, environment, the signals it ignores (bash's background
 jobs ignore SIGINT) and its stdin, stdout and stderr, and the server forks the run from the preloaded server
-(``tests.forked._run``: the same ``__main__``, ``sys.argv``, ``sys.path[0]``, exit status; ``sys.executable`` is
-this ``python``, as an interpreter's is the path it was started by, so the processes a run starts fork too). The client stays in
-the shell's place: its pid is ``$!``, a signal sent to it goes on to the run, and it ends as the run ended (the
-same status, or killed by the same signal). A client killed outright (SIGKILL) takes the run with it: the
-server kills the run when the client's connection closes. A command line the server does not run (``python``
-options but ``-u``, a script that is not a file, a process given more open files than the standard three) gets
-the real interpreter.
+(``tests.forked._run``: the same ``__main__``, ``sys.argv``, ``sys.path[0]`` and exit status). The run's
+``sys.executable`` is this ``python``, as an interpreter's is the path it was started by, so the processes a
+run starts fork too. The client stays in the shell's place: its pid is ``$!``, a signal sent to it goes on to
+the run, and it ends as the run ended (the same status, or killed by the same signal). A client killed
+outright (SIGKILL) takes the run with it: the server kills the run when the client's connection closes. A
+command line the server does not run (``python`` options but ``-u``, a script that is not a file, a process
+given more open files than the standard three) gets the real interpreter.
 
 This module imports the standard library only: the client imports it under ``python -SE``.
 """
