@@ -16,6 +16,12 @@ the attention kernels run in halves, the GEMMs slow beside NCCL, layout copies, 
   and two different graphs number them differently. A fused kernel can then show as gone from one file and new
   in the other, under another number.
 * On the CPU (no device time in either file) the self CPU time is compared instead.
+* Between the two tables, a GPU profile's kernels are added up by kind (:data:`KINDS`, from the kernel's name):
+  these rows do sum, to each file's kernel time. Round 5l read async tp 2's cost from them: with
+  ``--scale_a 0.5`` (half of a DDP rank's work, which is what a tp 2 rank does) its GEMMs and attention take
+  less than half of DDP's, and symmetric memory's reductions, copies and barriers take 14 ms more.
+* A name on two rows counts once: an Inductor kernel is both its launch and the kernel, and a
+  ``record_function`` range is its CPU op and its span on the GPU timeline, which is left out.
 
 It prints only; the files are read as JSON and checked. A file that is not ``profile_step.py``'s, or a GPU
 profile put against a CPU one, is refused with one ``error:`` line.
@@ -35,6 +41,19 @@ from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E4
 
 TIMES = ("self_device_time_total_us", "self_cpu_time_total_us")
 SPLIT = ("span", "busy", "idle", "compute", "communication", "exposed")
+# kernel kinds by name, first match wins: cuBLAS(Lt)/CUTLASS GEMMs, cuDNN/flash attention, Inductor's Triton,
+# NCCL, symmetric memory's peer copies and barriers (async tp), other copies, eager ATen kernels
+KINDS = (
+    ("GEMM", lambda n: n.startswith(("nvjet", "sm90_xmma", "sm80_xmma", "cutlass", "ampere_", "void cublasLt"))
+     or "gemm" in n.lower()),
+    ("attention", lambda n: "cudnn" in n or "fmha" in n or "flash" in n),
+    ("Triton", lambda n: n.startswith("triton_")),
+    ("NCCL", lambda n: n.startswith("nccl") and "Kernel" in n),
+    ("peer-to-peer copy", lambda n: n.startswith("Memcpy PtoP")),
+    ("copy and set", lambda n: n.startswith(("Memcpy", "Memset"))),
+    ("symmetric-memory barrier", lambda n: "symmetric_memory::barrier" in n),
+    ("eager ATen", lambda n: n.startswith(("void at::", "void (anonymous namespace)::", "void at_cuda_detail"))),
+)
 
 
 def _number(value) -> bool:
@@ -66,16 +85,54 @@ def read_profile(path: Path) -> dict:
     return saved
 
 
-def per_step(profile: dict, key: str) -> dict[str, tuple[float, float]]:
-    """Each op's (self time in ms, calls) per profiled step, by name; ``key``: one of :data:`TIMES`."""
-    steps = profile["steps"]
-    return {op["name"]: (op[key] / steps / 1e3, op["calls"] / steps) for op in profile["ops"]}
+def _gpu_ranges(ops: list[dict]) -> set[str]:
+    """Names of the ranges (``record_function``, DDP's forward) that the profiler also draws on the GPU timeline:
+    a device-only row whose name is a CPU op with no device time of its own. Its "self" device time spans other
+    kernels, so it is no kernel and no op."""
+    cpu_only = {op["name"] for op in ops if op["cpu_time_total_us"] > 0 and op[TIMES[0]] == 0}
+    return {op["name"] for op in ops if op["cpu_time_total_us"] == 0 and op["name"] in cpu_only}
 
 
-def differences(a: dict, b: dict, min_ms: float) -> tuple[str, list[dict]]:
+def _ops(profile: dict) -> list[dict]:
+    """The op and kernel rows, without the GPU timeline's copies of ranges (:func:`_gpu_ranges`)."""
+    ranges = _gpu_ranges(profile["ops"])
+    return [op for op in profile["ops"] if not (op["name"] in ranges and op["cpu_time_total_us"] == 0)]
+
+
+def per_step(profile: dict, key: str, scale: float = 1.0) -> dict[str, tuple[float, float]]:
+    """Each op's (self time in ms, calls) per profiled step, by name, times ``scale``; ``key``: one of
+    :data:`TIMES`. A name on two rows (an Inductor kernel is both its launch on the CPU and the kernel) counts
+    once, at the larger time."""
+    steps, out = profile["steps"], {}
+    for op in _ops(profile):
+        ms, calls = op[key] / steps / 1e3 * scale, op["calls"] / steps
+        out[op["name"]] = max(out.get(op["name"], (ms, calls)), (ms, calls))
+    return out
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel, from its name: the first of :data:`KINDS` whose test holds, else ``other``."""
+    return next((kind for kind, test in KINDS if test(name)), "other")
+
+
+def kernel_kinds(profile: dict, scale: float = 1.0) -> dict[str, float]:
+    """Self device time per profiled step (ms, times ``scale``) of a GPU profile's kernels by
+    :func:`kernel_kind`; a kernel is a row with device time and no CPU time that is no range
+    (:func:`_gpu_ranges`). Kernels that run at once (NCCL beside compute) each count in full."""
+    steps, seen, out = profile["steps"], set(), {}
+    for op in _ops(profile):
+        if op["cpu_time_total_us"] == 0 and op[TIMES[0]] > 0 and op["name"] not in seen:
+            seen.add(op["name"])
+            kind = kernel_kind(op["name"])
+            out[kind] = out.get(kind, 0.0) + op[TIMES[0]] / steps / 1e3 * scale
+    return out
+
+
+def differences(a: dict, b: dict, min_ms: float, scale_a: float = 1.0) -> tuple[str, list[dict]]:
     """The time compared (device time, or CPU time when neither file has any) and the ops whose per-step self
-    time differs by at least ``min_ms`` between ``a`` and ``b``: ``name``, ``a_ms``, ``b_ms``, ``diff_ms``
-    (b - a), ``a_calls``, ``b_calls``, the largest ``|diff_ms|`` first (then by name).
+    time differs by at least ``min_ms`` between ``a`` (its times multiplied by ``scale_a``) and ``b``: ``name``,
+    ``a_ms``, ``b_ms``, ``diff_ms`` (b - a), ``a_calls``, ``b_calls``, the largest ``|diff_ms|`` first (then by
+    name).
 
     Raises:
         UserError: one file has device time and the other none (a GPU profile against a CPU one).
@@ -85,7 +142,7 @@ def differences(a: dict, b: dict, min_ms: float) -> tuple[str, list[dict]]:
         raise UserError(f"{'a' if a_device else 'b'} is a GPU profile and {'b' if a_device else 'a'} a CPU one "
                         "(no device time); compare two profiles of one kind of device")
     key = TIMES[0] if a_device else TIMES[1]
-    ta, tb = per_step(a, key), per_step(b, key)
+    ta, tb = per_step(a, key, scale_a), per_step(b, key)
     rows = []
     for name in ta.keys() | tb.keys():
         (a_ms, a_calls), (b_ms, b_calls) = ta.get(name, (0.0, 0.0)), tb.get(name, (0.0, 0.0))
@@ -95,15 +152,15 @@ def differences(a: dict, b: dict, min_ms: float) -> tuple[str, list[dict]]:
     return ("device" if a_device else "CPU"), sorted(rows, key=lambda r: (-abs(r["diff_ms"]), r["name"]))
 
 
-def summary(a: dict, b: dict) -> list[tuple[str, float, float]]:
-    """(label, a's value, b's value) of the step, the profiled step and the GPU time split (ms), where both
-    files hold the figure (a CPU profile has no split)."""
+def summary(a: dict, b: dict, scale_a: float = 1.0) -> list[tuple[str, float, float]]:
+    """(label, a's value times ``scale_a``, b's value) of the step, the profiled step and the GPU time split (ms),
+    where both files hold the figure (a CPU profile has no split)."""
     def figures(p: dict) -> dict:
         split = p.get("gpu_time_ms") if isinstance(p.get("gpu_time_ms"), dict) else {}
         return {"step ms": p["step_ms"], "profiled step ms": p.get("profiled_step_ms"),
                 **{f"GPU {k} ms": split.get(k) for k in SPLIT}}
     fa, fb = figures(a), figures(b)
-    return [(label, fa[label], fb[label]) for label in fa if _number(fa[label]) and _number(fb[label])]
+    return [(label, fa[label] * scale_a, fb[label]) for label in fa if _number(fa[label]) and _number(fb[label])]
 
 
 def file_label(path: Path) -> str:
@@ -117,28 +174,52 @@ def short(name: str, width: int) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
+def print_kinds(a: dict, b: dict, scale_a: float) -> None:
+    """The kernels' time a step by kind (:func:`kernel_kinds`), a's times multiplied by ``scale_a``; nothing for
+    CPU profiles, which have no kernels."""
+    ka, kb = kernel_kinds(a, scale_a), kernel_kinds(b)
+    if not (ka or kb):
+        return
+    print("\nkernels' self device time a step by kind (kernels that overlap each count in full)")
+    print("| kind | a ms | b ms | b - a ms |\n|---|---|---|---|")
+    for kind in sorted(ka.keys() | kb.keys(), key=lambda k: (-abs(kb.get(k, 0.0) - ka.get(k, 0.0)), k)):
+        va, vb = ka.get(kind, 0.0), kb.get(kind, 0.0)
+        print(f"| {kind} | {va:.2f} | {vb:.2f} | {vb - va:+.2f} |")
+
+
+def print_ops(rows: list[dict], kind: str, min_ms: float, width: int) -> None:
+    """:func:`differences`' rows as a table."""
+    print(f"\nops whose self {kind} time a step differs by {min_ms:g} ms or more (rows overlap: an op's "
+          "time is also its kernels'; do not sum them)")
+    print("| op | a ms | b ms | b - a ms | a calls | b calls |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {short(r['name'], width)} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['diff_ms']:+.2f} | "
+              f"{r['a_calls']:g} | {r['b_calls']:g} |")
+    if not rows:
+        print("| (none) | | | | | |")
+
+
 def main(argv: list[str]) -> None:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a", type=Path, help="profile_step.py JSON, the baseline")
     ap.add_argument("b", type=Path, help="profile_step.py JSON compared with it")
     ap.add_argument("--min_ms", type=float, default=0.3, help="smallest difference a step listed (default 0.3 ms)")
     ap.add_argument("--width", type=int, default=90, help="op names cut to this many characters")
+    ap.add_argument("--scale_a", type=float, default=1.0,
+                    help="a's times multiplied by this (0.5: a DDP rank against a tp 2 rank, which does half its work)")
     args = ap.parse_args(argv)
     if not (args.min_ms >= 0 and math.isfinite(args.min_ms)) or args.width < 10:
         raise UserError(f"--min_ms must be >= 0 and --width >= 10 (got {args.min_ms}, {args.width})")
+    if not (args.scale_a > 0 and math.isfinite(args.scale_a)):
+        raise UserError(f"--scale_a must be a positive number (got {args.scale_a}); 1 compares the files as they are")
     a, b = read_profile(args.a), read_profile(args.b)
-    kind, rows = differences(a, b, args.min_ms)  # both checked, and of one kind, before any output
-    print(f"| | {file_label(args.a)} (a) | {file_label(args.b)} (b) | b - a |\n|---|---|---|---|")
-    for label, va, vb in summary(a, b):
+    kind, rows = differences(a, b, args.min_ms, args.scale_a)  # both checked, and of one kind, before any output
+    scaled = f" x {args.scale_a:g}" if args.scale_a != 1 else ""
+    print(f"| | {file_label(args.a)} (a{scaled}) | {file_label(args.b)} (b) | b - a |\n|---|---|---|---|")
+    for label, va, vb in summary(a, b, args.scale_a):
         print(f"| {label} | {va:.2f} | {vb:.2f} | {vb - va:+.2f} |")
-    print(f"\nops whose self {kind} time a step differs by {args.min_ms:g} ms or more (rows overlap: an op's "
-          "time is also its kernels'; do not sum them)")
-    print("| op | a ms | b ms | b - a ms | a calls | b calls |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {short(r['name'], args.width)} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['diff_ms']:+.2f} | "
-              f"{r['a_calls']:g} | {r['b_calls']:g} |")
-    if not rows:
-        print("| (none) | | | | | |")
+    print_kinds(a, b, args.scale_a)
+    print_ops(rows, kind, args.min_ms, args.width)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_diff import differences, main, short, summary
+from benchmarks.profile_diff import differences, kernel_kind, kernel_kinds, main, per_step, short, summary
 from utils.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,51 @@ def test_hand_worked_differences_per_step_largest_first():
     want = [[1.0, 2.0, 1.0, 3, 3], [0.8, 0.0, -0.8, 1, 0], [0.0, 0.75, 0.75, 0, 2], [4.0, 3.5, -0.5, 1, 1]]
     assert [pytest.approx(w) == g for w, g in zip(want, got)] == [True] * 4, got
     assert [r["name"] for r in differences(A, B, min_ms=0.0)[1]][-1] == "copy"  # 0.1 ms: listed at 0
+
+
+# One step of an async-tp-like GPU profile as key_averages saves it: an Inductor kernel on two rows (its launch
+# on the CPU, which carries the kernel's device time, and the kernel), a record_function range on two rows (the
+# CPU op, no device time of its own, and its span drawn on the GPU timeline, 9 ms that are other kernels').
+RANGED = _profile(1, [
+    _op("triton_poi_fused_gelu_9", 2, 1500, cpu_us=40), _op("triton_poi_fused_gelu_9", 2, 1500),
+    {**_op("fused_all_gather_matmul", 4, 0, cpu_us=300), "device_time_total_us": 9000},
+    _op("fused_all_gather_matmul", 8, 9000),
+    _op("nvjet_sm90_tst_256x144_NNT", 4, 5000), _op("void cublasLt::splitKreduce_kernel<32>(args)", 1, 100),
+    _op("Memcpy PtoP (Device -> Device)", 4, 2000), _op("Memcpy DtoD (Device -> Device)", 4, 300),
+    _op("c10d::symmetric_memory::barrier_kernel(unsigned int**)", 12, 400),
+    _op("void at::native::reduce_kernel<128, 4>(args)", 2, 600),
+    _op("cudnn_generated_fort_native_sdpa_sm90_flash_fprop(args)", 1, 3000),
+    _op("ncclDevKernel_AllGather_RING_LL(args)", 1, 250), _op("spin_kernel(long)", 1, 10)])
+
+
+def test_a_name_on_two_rows_counts_once_and_gpu_ranges_are_no_ops():
+    ops = per_step(RANGED, "self_device_time_total_us")
+    assert ops["triton_poi_fused_gelu_9"] == (1.5, 2)  # once, not 3.0
+    assert ops["fused_all_gather_matmul"] == (0.0, 4)  # the CPU op; its GPU span (9 ms of other kernels) left out
+    assert per_step(RANGED, "self_device_time_total_us", scale=0.5)["nvjet_sm90_tst_256x144_NNT"] == (2.5, 4)
+
+
+def test_kernels_by_kind_hand_worked():
+    assert kernel_kinds(RANGED) == pytest.approx({
+        "Triton": 1.5, "GEMM": 5.1, "peer-to-peer copy": 2.0, "copy and set": 0.3, "symmetric-memory barrier": 0.4,
+        "eager ATen": 0.6, "attention": 3.0, "NCCL": 0.25, "other": 0.01})
+    assert kernel_kinds(RANGED, scale=2.0)["GEMM"] == pytest.approx(10.2)
+    assert kernel_kinds(_profile(1, [_op("aten::addmm", 2, 0, cpu_us=5000)])) == {}  # a CPU profile: no kernels
+    assert kernel_kind("nccl:all_reduce") == "other" and kernel_kind("ncclDevKernel_SendRecv(x)") == "NCCL"
+
+
+def test_scale_a_puts_a_ddp_rank_against_half_its_work(tmp_path, capsys):
+    """--scale_a 0.5: every time of a (summary, kinds, ops) halved, calls kept; b as it is."""
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(B)), pb.write_text(json.dumps(RANGED))
+    assert summary(B, RANGED, 0.5)[0] == ("step ms", 50.0, 100.0)
+    main([str(pa), str(pb), "--scale_a", "0.5", "--min_ms", "0.5"])
+    out = capsys.readouterr().out
+    assert "/a.json (a x 0.5) | " in out and "| step ms | 50.00 | 100.00 | +50.00 |" in out
+    assert "| GEMM | 1.00 | 5.10 | +4.10 |" in out  # B's "gemm": 2.0 ms a step, halved
+    assert "| gemm | 1.00 | 0.00 | -1.00 | 3 | 0 |" in out  # calls are not scaled
+    with pytest.raises(UserError, match="--scale_a must be a positive number"):
+        main([str(pa), str(pb), "--scale_a", "0"])
 
 
 def test_cpu_profiles_compare_cpu_time():
