@@ -313,6 +313,10 @@ CASES = [
     Case("sp gradient bucketing without sequence parallelism", ["--sp_grad_bucketing", "true", "--tensor_parallel", "2"],
          ["--sp_grad_bucketing merges the gradient all-reduces that sequence parallelism adds",
           "add --tensor_parallel 2 (or more) --sequence_parallel true --enable_jit true"], env=LAUNCH),
+    Case("async tp under CUDA graphs", ["--async_tp", "true", "--tensor_parallel", "2", "--sequence_parallel", "true",
+                                        "--enable_jit", "true", "--compile_mode", "reduce-overhead"],
+         ["--async_tp cannot run under CUDA graphs (--compile_mode reduce-overhead)",
+          "use --compile_mode default or max-autotune-no-cudagraphs"], env=LAUNCH),
     Case("fp8 with tensor parallel", ["--amp_mode", "fp8", "--tensor_parallel", "2"],
          ["--amp_mode fp8 is not supported with tensor or context parallelism", "use --amp_mode bf16"], env=LAUNCH),
     # ---- tools

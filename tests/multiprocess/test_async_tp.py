@@ -174,6 +174,10 @@ GPUS = Launch(world_size=2, cuda=True, cuda_capability=(9, 0))
     ({"sequence_parallel": "false"}, GPUS, "--async_tp decomposes the collectives of sequence parallelism; add "
                                            "--sequence_parallel true"),
     ({"enable_jit": "false"}, GPUS, "--async_tp is a pass of torch.compile's inductor; add --enable_jit true"),
+    ({"compile_mode": "reduce-overhead"}, GPUS, r"--async_tp cannot run under CUDA graphs \(--compile_mode "
+                                                r"reduce-overhead\).* use --compile_mode default"),
+    ({"compile_mode": "max-autotune", "attention_backend": "auto"}, Launch(world_size=2),
+     r"under CUDA graphs \(--compile_mode max-autotune\)"),  # refused before the CPU is: the fix names both
     ({"attention_backend": "auto"}, Launch(world_size=2),
      "--async_tp needs CUDA GPUs .* none is visible; drop --async_tp on CPU"),
     ({"img_size": "[360,712]"}, GPUS, r"--async_tp needs each context-parallel rank's 4005 tokens to split evenly "

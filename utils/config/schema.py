@@ -179,7 +179,8 @@ class ParallelConfig:
                                          "GEMMs too, so LayerNorms, residual adds and their activations take 1/tp "
                                          "(Megatron-LM sequence parallelism; the same checkpoints): less memory, "
                                          "a little slower at mp (docs/parallelism.md)")
-    async_tp: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled, on CUDA: torch's asynchronous "
+    async_tp: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled without CUDA graphs, on CUDA: "
+                                "torch's asynchronous "
                                 "tensor parallel (inductor's micro-pipeline TP on symmetric memory) decomposes each "
                                 "all-gather + GEMM and GEMM + reduce-scatter instead of our chunked collectives; "
                                 "tokens must split evenly over tp (docs/parallelism.md)")

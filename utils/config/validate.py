@@ -297,6 +297,12 @@ def _check_async_tp(cfg: Config, launch: Launch) -> None:
                         "or drop --async_tp")
     if not cfg.precision.enable_jit:
         raise UserError("--async_tp is a pass of torch.compile's inductor; add --enable_jit true or drop --async_tp")
+    if cfg.precision.compile_mode in ("reduce-overhead", "max-autotune"):
+        # torch 2.11 on 2 H200s: CUDA graph trees stop at the symmetric-memory buffers the fused ops allocate
+        # ("tensor(s) in the cudagraph pool not tracked as outputs"); docs/speed.md, round 5l
+        raise UserError(f"--async_tp cannot run under CUDA graphs (--compile_mode {cfg.precision.compile_mode}): "
+                        "its symmetric-memory buffers are not a graph's outputs; use --compile_mode default or "
+                        "max-autotune-no-cudagraphs, or drop --async_tp")
     if par.simulate_world_size:
         raise UserError("--async_tp needs the job's real peers for its symmetric memory; plan with "
                         "--simulate_world_size without --async_tp")
