@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ADDRESS_VARIABLE = "FORKED_PYTHON_SOCKET"
+REPO = Path(__file__).resolve().parents[1]
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 MESSAGE = 1 << 20  # bytes: the request (argv, cwd, environment) fits one SOCK_SEQPACKET message
 
@@ -117,6 +118,13 @@ class ForkingPython:
         workers' interpreter (torchrun's ``PYTHON_EXEC``)."""
         return {**base, "PATH": f"{self.folder}:{base.get('PATH', os.defpath)}", ADDRESS_VARIABLE: self.address,
                 "PYTHON_EXEC": self.python}
+
+    def run(self, args: list[str], base: dict[str, str], timeout: float, cwd: Path = REPO):
+        """``python args`` under the client, in ``cwd`` with :meth:`env` of ``base``: the finished process, its
+        output captured as text (``subprocess.CompletedProcess``)."""
+        import subprocess  # here: the client imports this module and needs none of it
+        return subprocess.run([self.python, *args], cwd=cwd, env=self.env(base), capture_output=True, text=True,
+                              timeout=timeout)
 
 
 class PythonServer:

@@ -124,12 +124,11 @@ def test_precision_parity_end_to_end_on_cpu(tiny_data, tmp_path, forking_python)
     # the CPU runs bf16 autocast and bf16_pure (fp8 needs a Hopper GPU); the speed settings are switched off after --
     out = tmp_path / "parity.json"
     # the forking python (tests/forked_python.py): its runs, started with sys.executable, fork as well
-    cmd = [forking_python.python, "benchmarks/precision_parity.py", "--config", "tiny", "--data_path", str(tiny_data),
-           "--modes", "bf16", "bf16_pure", "--seeds", "0", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out),
-           "--", "--attention_backend", "auto", "--enable_jit", "false", "--num_data_workers", "0",
-           "--num_iters", "2", "--limit_nsamples", "8", "--limit_nsamples_val", "8"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=forking_python.env(subprocess_env()),
-                          capture_output=True, text=True, timeout=300)
+    proc = forking_python.run(
+        ["benchmarks/precision_parity.py", "--config", "tiny", "--data_path", str(tiny_data), "--modes", "bf16",
+         "bf16_pure", "--seeds", "0", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out), "--",
+         "--attention_backend", "auto", "--enable_jit", "false", "--num_data_workers", "0", "--num_iters", "2",
+         "--limit_nsamples", "8", "--limit_nsamples_val", "8"], subprocess_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["torch"] and saved["modes"] == ["bf16", "bf16_pure"]
@@ -307,12 +306,11 @@ def test_profile_step_profiles_every_rank_of_a_context_parallel_run(tmp_path, fo
     """Under the launcher each rank profiles its own steps and saves them; the key/value all-gather of cp 2 shows
     in each rank's ops; only rank 0 prints the table."""
     # launcher and workers under the forking python (tests/forked_python.py: torch already imported)
-    cmd = [forking_python.python, "-m", "tools.torchrun", "--standalone", "--nproc_per_node=2",
-           "benchmarks/profile_step.py", "--config", "tiny", "--context_parallel", "2", "--data_loader_config",
-           "synthetic", "--warmup_steps", "1", "--steps", "1", "--rows", "5", "--out", str(tmp_path), "--expdir",
-           str(tmp_path / "runs")]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=forking_python.env(subprocess_env()),
-                          capture_output=True, text=True, timeout=300)
+    proc = forking_python.run(
+        ["-m", "tools.torchrun", "--standalone", "--nproc_per_node=2", "benchmarks/profile_step.py", "--config",
+         "tiny", "--context_parallel", "2", "--data_loader_config", "synthetic", "--warmup_steps", "1", "--steps",
+         "1", "--rows", "5", "--out", str(tmp_path), "--expdir", str(tmp_path / "runs")], subprocess_env(),
+        timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         saved = json.loads((tmp_path / f"profile_tiny_none_rank{rank}.json").read_text())

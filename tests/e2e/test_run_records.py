@@ -20,18 +20,21 @@ QUICK = ["--config", "tiny", "--num_iters", "16", "--limit_nsamples", "64", "--l
          "--log_every", "1000", "--save_checkpoint", "false"]
 
 
-def _train(tmp_path: Path, data: Path, *args: str, ranks: int = 1,
-           python: ForkingPython | None = None) -> subprocess.CompletedProcess:
-    """``python train.py QUICK ... args`` (forked, ``tests/forked.py``: torch already imported), or on ``ranks``
-    processes under torchrun (the records name it), launcher and workers run by the forking ``python``."""
-    env = subprocess_env()
-    command = [str(ROOT / "train.py"), *QUICK, "--data_path", str(data), "--expdir", str(tmp_path / "runs"), *args]
-    if ranks == 1:
-        return run_forked(command, tmp_path, env, timeout=300)
-    launcher = [python.python, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                f"--master_port={free_port()}"]
-    return subprocess.run([*launcher, *command], cwd=tmp_path, env=python.env(env), capture_output=True, text=True,
-                          timeout=300)
+def _command(tmp_path: Path, data: Path, *args: str) -> list[str]:
+    return [str(ROOT / "train.py"), *QUICK, "--data_path", str(data), "--expdir", str(tmp_path / "runs"), *args]
+
+
+def _train(tmp_path: Path, data: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python train.py QUICK ... args``, forked (``tests/forked.py``: torch already imported)."""
+    return run_forked(_command(tmp_path, data, *args), tmp_path, subprocess_env(), timeout=300)
+
+
+def _torchrun(python: ForkingPython, tmp_path: Path, data: Path, *args: str,
+              ranks: int) -> subprocess.CompletedProcess:
+    """The same on ``ranks`` processes under torchrun (the records name it), launcher and workers run by the
+    forking ``python``."""
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    return python.run([*launcher, *_command(tmp_path, data, *args)], subprocess_env(), timeout=300, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,8 @@ def four_runs(tiny_data, tmp_path_factory, forking_python):
     tmp = tmp_path_factory.mktemp("compare")
     for ranks in (1, 2):
         for lr in ("1e-3", "3e-3"):
-            proc = _train(tmp, tiny_data, "--lr", lr, ranks=ranks, python=forking_python)
+            proc = (_train(tmp, tiny_data, "--lr", lr) if ranks == 1 else
+                    _torchrun(forking_python, tmp, tiny_data, "--lr", lr, ranks=ranks))
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = sorted((tmp / "runs" / "tiny").glob("*CPU/*"))
     assert [r.relative_to(tmp / "runs" / "tiny").as_posix() for r in runs] == \

@@ -20,7 +20,6 @@ from utils.data.layout import LayoutError
 xr = pytest.importorskip("xarray")
 cftime = pytest.importorskip("cftime")
 
-REPO = Path(__file__).resolve().parents[2]
 LAT = np.array([-45.0, 0.0, 45.0])  # ascending: the converter writes it north to south
 LON = np.arange(4) * 90.0
 LEVELS = np.array([850.0, 500.0])
@@ -56,8 +55,7 @@ def expected(ds, index, level_dim: str = "level") -> np.ndarray:
 def run_cli(forking_python):
     """``run_cli(*args)``: ``python -m tools.convert_era5 args`` under the forking python (xarray imported)."""
     def run(*args) -> subprocess.CompletedProcess:
-        return subprocess.run([forking_python.python, "-m", "tools.convert_era5", *map(str, args)], cwd=REPO,
-                              env=forking_python.env(dict(os.environ)), capture_output=True, text=True, timeout=120)
+        return forking_python.run(["-m", "tools.convert_era5", *map(str, args)], dict(os.environ), timeout=120)
     return run
 
 

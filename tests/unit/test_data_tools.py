@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import h5py
@@ -418,8 +417,7 @@ def test_unreadable_input_message_is_one_line(cli_inputs):
 @pytest.mark.parametrize("tool,args,message", CLI_ERRORS, ids=[f"{t}:{m}" for t, _, m in CLI_ERRORS])
 def test_cli_bad_input_is_one_error_line(cli_inputs, tmp_path, tool, args, message, forking_python):
     argv = [a.format(tmp=tmp_path, **cli_inputs) for a in args]
-    run = subprocess.run([forking_python.python, "-m", f"tools.{tool}", *argv], cwd=REPO,
-                         env=forking_python.env(dict(os.environ)), capture_output=True, text=True, timeout=120)
+    run = forking_python.run(["-m", f"tools.{tool}", *argv], dict(os.environ), timeout=120)
     assert run.returncode == 2, run.stderr
     assert len(run.stderr.splitlines()) == 1 and run.stderr.startswith("error: "), run.stderr
     assert "Traceback" not in run.stderr and message in run.stderr, run.stderr
