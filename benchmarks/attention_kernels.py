@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import Results, table  # noqa: E402
 from kernels.cudnn_attention import packed_attention  # noqa: E402
 from kernels.cudnn_fp8_attention import fp8_attention_unsupported, fp8_packed_attention  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 COLUMNS = [("kernel", "kernel", "s"), ("fwd ms", "fwd_ms", ".3f"), ("fwd+bwd ms", "fwd_bwd_ms", ".3f"),
            ("TFLOP/s", "tflops", ".0f"), ("max |diff|", "max_diff", ".2e"), ("note", "note", "s")]
@@ -172,7 +172,7 @@ def gemm_rows(tokens: int, dim: int, hidden: int, iters: int) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=4050)
@@ -181,7 +181,7 @@ def main() -> int:
     ap.add_argument("--mlp_ratio", type=float, default=4.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/attention_kernels.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: benchmarks/attention_kernels.py times GPU kernels and no CUDA GPU is visible; run it on a GPU")
         return 2
@@ -211,4 +211,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -35,7 +35,7 @@ from distributed.checkpoint.sharded import ShardedCheckpoints  # noqa: E402
 from distributed.launch import detect_launch  # noqa: E402
 from distributed.world import all_reduce, distributed_session  # noqa: E402
 from utils.config.command_line import cli_config  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 from training.loop.trainer import Trainer  # noqa: E402
 
 COLUMNS = [("what", "what", "s"), ("seconds", "seconds", ".2f"), ("GB", "size_gb", ".2f"),
@@ -188,14 +188,14 @@ def async_save(trainer: Trainer, stepper: Stepper, mgr: ShardedCheckpoints, step
             "commit_s": commit, "steps_during_write": steps}
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__)
     ap.add_argument("--dir", default="/tmp/ckpt_bench", help="where the checkpoints are written (emptied)")
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps timed for the median")
     ap.add_argument("--async_steps", type=int, default=10, help="steps run while an async save writes")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="which saves to measure")
     ap.add_argument("--out", required=True)
-    args, rest = ap.parse_known_args()
+    args, rest = ap.parse_known_args(argv)
     cfg = cli_config(rest, "vit_2b", "benchmarks/checkpoint.py")
     root = Path(args.dir)
     cfg.logging.expdir = str(root / "runs")
@@ -224,4 +224,4 @@ def disk_of(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

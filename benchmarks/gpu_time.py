@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -201,4 +201,4 @@ def analyse_file(path: Path, steps: int) -> tuple[dict | None, list[dict]]:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main, sys.argv[1:]))
+    sys.exit(run_cli(main))

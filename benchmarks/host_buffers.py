@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import Results, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 COLUMNS = [("method", "method", "s"), ("alloc s", "alloc_s", ".2f"), ("step ms", "step_ms", ".1f"),
            ("stall s", "stall_s", ".2f"), ("steps", "steps", "d")]
@@ -88,13 +88,13 @@ def run(method: str, gb: float, chunk_mb: int) -> dict:
             "stall_s": elapsed - len(during) * base, "gb": gb, "chunk_mb": chunk_mb}
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__)
     ap.add_argument("--gb", type=float, default=11.4, help="host memory to page-lock (GB)")
     ap.add_argument("--chunk_mb", type=int, default=64, help="size of each allocation (MiB)")
     ap.add_argument("--method", choices=["pin_memory", "register"], help="run one method in this process")
     ap.add_argument("--out", help="JSON results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.method:
         print(json.dumps(run(args.method, args.gb, args.chunk_mb)), flush=True)
         return 0
@@ -114,4 +114,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -23,7 +23,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
 SYNTH = ["--data_loader_config", "synthetic"]
@@ -244,4 +244,4 @@ def main(argv: list[str] | None = None, runner: Callable = run_variant) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, run_variant, save_json, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 MIB = 2**20
 # part (a): a short bf16 run on synthetic batches (no data needed), two epochs of 16 steps
@@ -167,7 +167,7 @@ def shards_in_child(config: str, folder: Path) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b,c", help="which parts to run: a, b, c, d")
     ap.add_argument("--gpus", type=int, default=2, help="part (d): ranks of the real runs")
@@ -178,7 +178,7 @@ def main() -> int:
     ap.add_argument("--planner_extra", default="", help="part (b): more tuner arguments")
     ap.add_argument("--expdir", default="/tmp/plan_validation_runs")
     ap.add_argument("--out", default="benchmarks/results/plan_validation.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         ap.error("needs a GPU: without one --simulate_world_size is a dry run, and part (c) reads the CUDA allocator")
@@ -225,4 +225,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

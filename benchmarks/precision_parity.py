@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
 from utils.config.loading import DEFAULT_YAML, load_config, parse_overrides  # noqa: E402
-from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 from utils.config.schema import FP8_KEYS  # noqa: E402
 
 # benchmarks/throughput.py's OPT less its --amp_mode (the mode sets that), with cuDNN attention and the
@@ -273,4 +273,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main, sys.argv[1:]))
+    sys.exit(run_cli(main))

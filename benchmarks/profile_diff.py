@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils.core.errors import ArgumentParser, UserError, exit_status  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 
 TIMES = ("self_device_time_total_us", "self_cpu_time_total_us")
 SPLIT = ("span", "busy", "idle", "compute", "communication", "exposed")
@@ -223,4 +223,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main, sys.argv[1:]))
+    sys.exit(run_cli(main))

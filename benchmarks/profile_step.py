@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import save_json  # noqa: E402
-from utils.core.errors import ArgumentParser, exit_status  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 KEPT_ROWS = 300  # ops saved per mode, by device time (a step has a few hundred distinct ops)
 
@@ -187,4 +187,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_status(main, sys.argv[1:]))
+    sys.exit(run_cli(main))

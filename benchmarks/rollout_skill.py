@@ -18,7 +18,54 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import save_json  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from utils.core.files import read_bounded  # noqa: E402
+
+
+def parse_runs(text: str) -> dict[str, str]:
+    """``--runs`` ``name=run_dir,...`` as {name: run_dir}.
+
+    Raises:
+        UserError: an item without ``=``, an empty name or directory, or a name given twice.
+    """
+    runs = {}
+    for item in text.split(","):
+        name, _, run = item.partition("=")
+        if not (name and run) or name in runs:
+            raise UserError(f"--runs item {item!r} is not a new name=run_dir; give e.g. --runs "
+                            "k1=runs/tiny/1CPU/a_k1,k4=runs/tiny/1CPU/b_k4")
+        runs[name] = run
+    return runs
+
+
+def read_scorecard(run: str) -> dict:
+    """``<run>/evaluation/scorecard.json``, checked for what :func:`skill_rows` reads: ``lead_hours``,
+    ``channels``, ``initial_times`` and per channel the model's RMSE and ACC and the baselines' scores.
+
+    Raises:
+        UserError: missing, unreadable, not JSON or without those fields (evaluate.py writes it).
+    """
+    path = Path(run) / "evaluation" / "scorecard.json"
+    fix = f"run python evaluate.py --run_dir {run} --lead_steps N first"
+    try:
+        card = json.loads(read_bounded(path))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}; {fix}") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{path} is not JSON ({type(e).__name__}); {fix}") from None
+    scores = card.get("scores") if isinstance(card, dict) else None
+    fine = (isinstance(scores, dict) and isinstance(card.get("lead_hours"), list)
+            and isinstance(card.get("channels"), list) and "initial_times" in card
+            and all(isinstance(scores.get(k), dict) and isinstance(scores[k].get("rmse"), dict)
+                    for k in ("model", "persistence", "climatology"))
+            and all(isinstance(scores[k].get("acc"), dict) for k in ("model", "persistence"))
+            and all(c in scores[k][m] for c in card["channels"] for k, m in
+                    (("model", "rmse"), ("model", "acc"), ("persistence", "rmse"), ("persistence", "acc"),
+                     ("climatology", "rmse"))))
+    if not fine:
+        raise UserError(f"{path} is not an evaluate.py scorecard (it needs lead_hours, channels, initial_times and "
+                        f"scores of model, persistence and climatology per channel); {fix}")
+    return card
 
 
 def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list[dict]:
@@ -49,14 +96,19 @@ def skill_rows(cards: dict[str, dict], channel: str, leads: list[float]) -> list
     return rows
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", required=True, help="comma list of name=run_dir")
     ap.add_argument("--leads", default="6,24,48,72,120,168,240", help="lead times in hours")
     ap.add_argument("--out", default="benchmarks/results/rollout_skill.json")
-    args = ap.parse_args()
-    runs = dict(item.split("=", 1) for item in args.runs.split(","))
-    cards = {name: json.loads((Path(run) / "evaluation" / "scorecard.json").read_text()) for name, run in runs.items()}
+    args = ap.parse_args(argv)
+    runs = parse_runs(args.runs)
+    cards = {name: read_scorecard(run) for name, run in runs.items()}
+    first = next(iter(cards.values()))["channels"]
+    for name, card in cards.items():
+        if not set(first) <= set(card["channels"]):
+            raise UserError(f"run {name} ({runs[name]}) has no scores of {sorted(set(first) - set(card['channels']))} "
+                            "that the first run has; evaluate every run on the same channels")
     leads = [float(v) for v in args.leads.split(",")]
     result = {"runs": {name: {"dir": runs[name], "training_rollout": card.get("training_rollout"),
                               "inputs": card.get("inputs"), "members": card.get("members", 1),
@@ -78,4 +130,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 COLUMNS = [("variant", "variant", "s"), ("K", "k", "d"), ("per-step AC", "checkpointed", "s"),
            ("samples/s", "samples_per_s", ".2f"), ("vs K=1", "relative_speed", ".2f"),
@@ -81,7 +81,7 @@ def step_seconds(variants: list[str], config: str, local_batch: int, steps: int,
     return best
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--variants", default="1,2,4,2c,4c", help="comma list of K, with a c for per-step checkpointing")
@@ -91,7 +91,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="extra train.py arguments for every variant")
     ap.add_argument("--expdir", default="/tmp/rollout_training_runs")
     ap.add_argument("--out", default="benchmarks/results/rollout_training.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     base = ["--config", args.config, "--local_batch_size", str(args.local_batch_size), "--log_every", "1000",
             "--limit_nsamples", str(args.steps * args.local_batch_size), "--num_iters", str(2 * args.steps),
@@ -117,4 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

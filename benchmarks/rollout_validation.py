@@ -17,14 +17,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 COLUMNS = [("variant", "variant", "s"), ("train s", "epoch_time_s", ".2f"),
            ("valid s", "valid_time_s", ".2f"), ("epoch + valid s", "total_s", ".2f"), ("added", "added", ".1%"),
            ("samples/s", "samples_per_s", ".1f"), ("valid samples", "valid_samples", "d")]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="short_opt")
     ap.add_argument("--data_path", required=True)
@@ -33,7 +33,7 @@ def main() -> int:
                     help="extra train.py arguments for both variants")
     ap.add_argument("--expdir", default="/tmp/rollout_runs")
     ap.add_argument("--out", default="benchmarks/results/rollout_validation.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from utils.config.loading import load_config
     cfg = load_config("config/ViT.yaml", args.config)
@@ -56,4 +56,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

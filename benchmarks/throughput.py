@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, run_variant, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, closest, run_cli  # noqa: E402
 
 OPT = ["--amp_mode", "bf16", "--enable_fused", "true", "--enable_jit", "true"]
 # our fastest settings (config short_opt): OPT + cuDNN attention + Programmatic Dependent Launch. On the
@@ -71,7 +71,7 @@ COLUMNS = [("variant", "variant", "s"), ("samples/s", "samples_per_s", ".1f"), (
            ("wall s", "wall_s", ".0f")]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="short")
     ap.add_argument("--data_path", required=True)
@@ -80,7 +80,11 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="extra train.py arguments for every variant")
     ap.add_argument("--expdir", default="/tmp/throughput_runs")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        raise UserError(f"--variants: no variant {', '.join(unknown)}{closest(unknown[0], VARIANTS)}; pick from "
+                        f"{', '.join(VARIANTS)}")
 
     from utils.config.loading import load_config, parse_overrides
     # the epoch length the runs will see, --extra included (e.g. --limit_nsamples)
@@ -97,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

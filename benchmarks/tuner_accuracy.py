@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, Results, table  # noqa: E402
-from utils.core.errors import ArgumentParser  # noqa: E402
+from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 COLUMNS = [("setup", "name", "s"), ("allocator", "allocator", "s"), ("tuner min", "tuner_minutes", ".1f"),
            ("trials", "trials", "d"), ("pick", "pick.local_batch_size", "d"),
@@ -56,8 +56,7 @@ def tune(name: str, tool_args: list[str], nproc: int, out: Path, env: dict) -> d
     return row
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv: list[str]) -> None:
     tool_args = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True)
@@ -77,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -130,6 +130,12 @@ def _netcdf(name: str, fill: float) -> Callable[[Path], None]:
     return write
 
 
+def _foreign_scorecard(data: Path) -> None:
+    """The data folder as a run whose ``evaluation/scorecard.json`` is JSON, but no scorecard of evaluate.py."""
+    (data / "evaluation").mkdir()
+    (data / "evaluation" / "scorecard.json").write_text('{"scores": {"model": {}}}')
+
+
 def _init_file(kind: str) -> Callable[[Path], list[str]]:
     """A case whose --init_from is a file next to the data: ``damaged`` (truncated), ``foreign`` (a torch file
     without a model) or ``wider`` (the tiny model with embed_dim 32)."""
@@ -353,6 +359,18 @@ CASES = [
                                                                "{data}/stats/global_means.npy"],
          ["global_means.npy is not JSON", "name a JSON written by profile_step.py --out"],
          entry="benchmarks/profile_diff.py"),
+    Case("rollout_skill on a run without a scorecard", ["--runs", "a={data}", "--out", "{data}/skill.json"],
+         ["cannot read", "evaluation/scorecard.json", "run python evaluate.py --run_dir"],
+         entry="benchmarks/rollout_skill.py", absent="{data}/skill.json"),
+    Case("rollout_skill on a scorecard that is not one", ["--runs", "a={data}", "--out", "{data}/skill.json"],
+         ["scorecard.json is not an evaluate.py scorecard", "it needs lead_hours"], spoil=_foreign_scorecard,
+         entry="benchmarks/rollout_skill.py", absent="{data}/skill.json"),
+    Case("rollout_skill runs without names", ["--runs", "{data}", "--out", "{data}/skill.json"],
+         ["is not a new name=run_dir", "--runs k1="], entry="benchmarks/rollout_skill.py", absent="{data}/skill.json"),
+    Case("throughput with an unknown variant", ["--data_path", "{data}", "--variants", "opt_w9", "--out",
+                                                "{data}/t.json"],
+         ["--variants: no variant opt_w9", "did you mean opt_w8"], entry="benchmarks/throughput.py",
+         absent="{data}/t.json"),
     Case("check resuming a file that is not its output", ["--only", "tp", "--resume", "{data}/stats/global_means.npy",
                                                           "--out", "{data}/check.json"],
          ["--resume", "global_means.npy is not a JSON written by benchmarks/check.py"], entry="benchmarks/check.py",

@@ -137,3 +137,38 @@ def test_no_two_modules_share_a_name():
             names.setdefault(path.stem, []).append(module)
     shared = {name: modules for name, modules in names.items() if len(modules) > 1}
     assert not shared, shared
+
+
+def _main_calls(tree: ast.Module) -> set[str]:
+    """Names of the functions the ``if __name__ == "__main__":`` block calls."""
+    blocks = [n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Compare)
+              and isinstance(n.test.left, ast.Name) and n.test.left.id == "__name__"]
+    return {c.func.id for b in blocks for c in ast.walk(b) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+
+
+def _calls_run_cli(name: str, module: str, tree: ast.Module) -> bool:
+    """Whether ``name`` in ``module`` is ``run_cli`` or a function that calls it, here or where it is imported."""
+    if name == "run_cli":
+        return True
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "run_cli"
+                       for c in ast.walk(node))
+        if isinstance(node, ast.ImportFrom) and node.module in SOURCES and any(a.name == name for a in node.names):
+            return _calls_run_cli(name, node.module, ast.parse(SOURCES[node.module].read_text()))
+    return False
+
+
+SOURCES = sources()
+
+
+def test_every_entry_point_exits_through_run_cli():
+    """A command's bad input is one ``error:`` line, Ctrl-C one line and 130, a closed output pipe a quiet 0, and a
+    failed rank exits at once: ``utils.core.errors.run_cli`` does all of it, so every ``__main__`` goes through it."""
+    missing = []
+    for module, path in SOURCES.items():
+        tree = ast.parse(path.read_text())
+        calls = _main_calls(tree)
+        if calls and not any(_calls_run_cli(name, module, tree) for name in calls):
+            missing.append(f"{path.relative_to(ROOT)}: its __main__ calls {sorted(calls)}")
+    assert not missing, "\n".join(missing)

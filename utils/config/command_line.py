@@ -12,7 +12,7 @@ from typing import Any
 from utils.config.loading import DEFAULT_YAML, REPO, load_config, parse_overrides, read_yaml, to_yaml
 from utils.config.schema import KEYS, SECTIONS, Config
 from utils.config.types import choices, plain, type_name
-from utils.core.errors import UserError, closest
+from utils.core.errors import UserError, closest, run_cli
 
 WIDTH = 80
 
@@ -141,7 +141,17 @@ def update_docs(path: Path = FLAGS_DOC) -> None:
     path.write_text(f"{head}{FLAGS_START}\n{markdown_flags()}\n{FLAGS_END}{tail}")
 
 
-if __name__ == "__main__":  # python -m utils.config.command_line --update-docs
-    if sys.argv[1:] != ["--update-docs"]:
-        sys.exit("usage: python -m utils.config.command_line --update-docs")
+def update_docs_command(argv: list[str]) -> None:
+    """``python -m utils.config.command_line --update-docs``: :func:`update_docs` of docs/configs.md.
+
+    Raises:
+        UserError: other arguments, or the page's markers (:func:`update_docs`).
+    """
+    if argv != ["--update-docs"]:
+        raise UserError(f"unknown arguments {' '.join(argv) or '(none)'}; the one command is python -m "
+                        "utils.config.command_line --update-docs")
     update_docs()
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(update_docs_command))
