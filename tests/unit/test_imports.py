@@ -139,6 +139,9 @@ def test_no_two_modules_share_a_name():
     assert not shared, shared
 
 
+SOURCES = sources()
+
+
 def _main_calls(tree: ast.Module) -> set[str]:
     """Names of the functions the ``if __name__ == "__main__":`` block calls."""
     blocks = [n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Compare)
@@ -157,9 +160,6 @@ def _calls_run_cli(name: str, module: str, tree: ast.Module) -> bool:
         if isinstance(node, ast.ImportFrom) and node.module in SOURCES and any(a.name == name for a in node.names):
             return _calls_run_cli(name, node.module, ast.parse(SOURCES[node.module].read_text()))
     return False
-
-
-SOURCES = sources()
 
 
 def test_every_entry_point_exits_through_run_cli():

@@ -180,10 +180,9 @@ class ParallelConfig:
                                          "(Megatron-LM sequence parallelism; the same checkpoints): less memory, "
                                          "a little slower at mp (docs/parallelism.md)")
     async_tp: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled without CUDA graphs, on CUDA: "
-                                "torch's asynchronous "
-                                "tensor parallel (inductor's micro-pipeline TP on symmetric memory) decomposes each "
-                                "all-gather + GEMM and GEMM + reduce-scatter instead of our chunked collectives; "
-                                "tokens must split evenly over tp (docs/parallelism.md)")
+                                "torch's asynchronous tensor parallel (inductor's micro-pipeline TP on symmetric "
+                                "memory) decomposes each all-gather + GEMM and GEMM + reduce-scatter instead of our "
+                                "chunked collectives; tokens must split evenly over tp (docs/parallelism.md)")
     sp_grad_bucketing: bool = key(False, "tensor_parallel > 1 with sequence_parallel, compiled: inductor merges the "
                                          "tp all-reduces of the replicated parameters' gradients (LayerNorms, biases, "
                                          "embeddings) into one bucket per compiled graph (docs/parallelism.md)")
