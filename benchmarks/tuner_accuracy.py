@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, Results, table  # noqa: E402
-from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from utils.core.files import read_bounded  # noqa: E402
 
 COLUMNS = [("setup", "name", "s"), ("allocator", "allocator", "s"), ("tuner min", "tuner_minutes", ".1f"),
            ("trials", "trials", "d"), ("pick", "pick.local_batch_size", "d"),
@@ -56,6 +57,26 @@ def tune(name: str, tool_args: list[str], nproc: int, out: Path, env: dict) -> d
     return row
 
 
+def earlier_results(path: Path) -> list[dict]:
+    """The rows of an earlier output of this script at ``path``, which this run adds its own to.
+
+    Raises:
+        UserError: unreadable, not JSON, or not this script's output (no list of ``results``).
+    """
+    fix = "name a new --out, or remove that file"
+    try:
+        saved = json.loads(read_bounded(path))
+    except OSError as e:
+        raise UserError(f"cannot read --out {path}: {e.strerror or e}; {fix}") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"--out {path} is not JSON ({type(e).__name__}); {fix}") from None
+    results = saved.get("results") if isinstance(saved, dict) else None
+    if not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
+        raise UserError(f"--out {path} is not a JSON written by benchmarks/tuner_accuracy.py (no list of results); "
+                        f"{fix}")
+    return results
+
+
 def main(argv: list[str]) -> None:
     tool_args = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,7 +87,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     rows = Results(args.out, benchmark="tune_batch_size")
     if args.out.exists():  # several setups in one file
-        rows.extend(json.loads(args.out.read_text()).get("results", []))
+        rows.extend(earlier_results(args.out))
     allocators = [{}] + ([{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}] if args.expandable else [])
     for env in allocators:
         suffix = "_expandable" if env else ""
