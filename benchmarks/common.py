@@ -12,7 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
-from utils.core.files import write_json_atomic
+from utils.core.errors import UserError
+from utils.core.files import read_bounded, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,20 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def read_json(path: Path, fix: str):
+    """The JSON value of the file ``path`` (read as ``utils.core.files.read_bounded``: a regular file, bounded).
+
+    Raises:
+        UserError: missing, unreadable or not JSON, with ``fix`` (what to do) after the problem.
+    """
+    try:
+        return json.loads(read_bounded(path))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}; {fix}") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{path} is not JSON ({type(e).__name__}); {fix}") from None
 
 
 def save_json(path: Path, payload: dict) -> None:

@@ -11,15 +11,13 @@ first), prints one table per channel and saves the numbers as JSON.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import save_json  # noqa: E402
+from benchmarks.common import read_json, save_json  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
-from utils.core.files import read_bounded  # noqa: E402
 
 
 def parse_runs(text: str) -> dict[str, str]:
@@ -47,12 +45,7 @@ def read_scorecard(run: str) -> dict:
     """
     path = Path(run) / "evaluation" / "scorecard.json"
     fix = f"run python evaluate.py --run_dir {run} --lead_steps N first"
-    try:
-        card = json.loads(read_bounded(path))
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}; {fix}") from None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise UserError(f"{path} is not JSON ({type(e).__name__}); {fix}") from None
+    card = read_json(path, fix)
     scores = card.get("scores") if isinstance(card, dict) else None
     fine = (isinstance(scores, dict) and isinstance(card.get("lead_hours"), list)
             and isinstance(card.get("channels"), list) and "initial_times" in card

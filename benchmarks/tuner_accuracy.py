@@ -22,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, Results, table  # noqa: E402
+from benchmarks.common import ROOT, Results, read_json, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
-from utils.core.files import read_bounded  # noqa: E402
 
 COLUMNS = [("setup", "name", "s"), ("allocator", "allocator", "s"), ("tuner min", "tuner_minutes", ".1f"),
            ("trials", "trials", "d"), ("pick", "pick.local_batch_size", "d"),
@@ -64,12 +63,7 @@ def earlier_results(path: Path) -> list[dict]:
         UserError: unreadable, not JSON, or not this script's output (no list of ``results``).
     """
     fix = "name a new --out, or remove that file"
-    try:
-        saved = json.loads(read_bounded(path))
-    except OSError as e:
-        raise UserError(f"cannot read --out {path}: {e.strerror or e}; {fix}") from None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise UserError(f"--out {path} is not JSON ({type(e).__name__}); {fix}") from None
+    saved = read_json(path, f"it is the --out this run adds to; {fix}")
     results = saved.get("results") if isinstance(saved, dict) else None
     if not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
         raise UserError(f"--out {path} is not a JSON written by benchmarks/tuner_accuracy.py (no list of results); "
