@@ -30,13 +30,13 @@ profile put against a CPU one, is refused with one ``error:`` line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import read_json  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 
 TIMES = ("self_device_time_total_us", "self_cpu_time_total_us")
@@ -67,13 +67,7 @@ def read_profile(path: Path) -> dict:
     Raises:
         UserError: it cannot be read, is not JSON, or lacks those fields.
     """
-    try:
-        saved = json.loads(path.read_text())
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}; name a JSON written by profile_step.py --out") from None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise UserError(f"{path} is not JSON ({type(e).__name__}); name a JSON written by profile_step.py --out") \
-            from None
+    saved = read_json(path, "name a JSON written by profile_step.py --out")
     ops = saved.get("ops") if isinstance(saved, dict) else None
     fine = (isinstance(ops, list) and type(saved.get("steps")) is int and saved["steps"] > 0
             and _number(saved.get("step_ms"))
