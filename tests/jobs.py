@@ -15,9 +15,10 @@ from tests.dist_utils import free_port, subprocess_env
 from tests.forked import Forked
 
 ROOT = Path(__file__).resolve().parents[1]
-# tiny on 64 samples: 8 steps per epoch at global batch 8, checkpoints every 5 steps
+# tiny on 64 samples: 8 steps per epoch at global batch 8, checkpoints every 5 steps; no TensorBoard figures
+# (matplotlib's ~0.5 s a validation; tests/multiprocess/test_training.py tests them)
 RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
-       "--checkpoint_every_steps", "5", "--log_every", "1000"]
+       "--checkpoint_every_steps", "5", "--log_every", "1000", "--figure_every", "0"]
 
 
 def with_args(base: list[str], args: list[str] | tuple[str, ...]) -> list[str]:

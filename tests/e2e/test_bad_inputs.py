@@ -474,7 +474,7 @@ def test_full_disk_during_checkpoint_stops_every_rank_with_one_line(tiny_data, t
 # tests/e2e/test_evaluation.py, so a session that runs both files trains it once (tests/jobs.py reference_run).
 # Its valid split is one file of 48 time steps (tests/conftest.py).
 EVAL_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
-            "--key_channels", "[u10m,t2m]"]
+            "--key_channels", "[u10m,t2m]", "--figure_every", "2"]
 
 
 @dataclass

@@ -30,7 +30,9 @@ climatology and blurring differ at most by one unit of their last digit (relativ
 moves by up to 2.7 % (``0.00539`` quoted, ``0.00554`` printed under ``avx2``). 3 % is the tightest round figure
 above that; a quoted number off by more, or any word changed, fails (:func:`test_quoted_output_is_compared`).
 
-To keep the runs short: every ``train.py``/``train_mp.py`` run of ``docs/`` trains ``--num_iters`` scaled by
+To keep the runs short: every ``train.py``/``train_mp.py`` run of ``docs/`` draws no TensorBoard figures
+(``--figure_every 0`` appended where the command does not set it: matplotlib takes about 0.5 s a validation, and
+``tests/multiprocess/test_training.py`` tests the figures) and trains ``--num_iters`` scaled by
 :data:`SCALE` (tiny's 800 iterations become 8; appended where the command gives none), on the fixture's
 small dataset; ``make train`` runs the Makefile's training line without the set-up; a ``sleep`` waits at most
 :data:`MAX_SLEEP` seconds. A run sent to the background (to be signalled), and the same command run again to
@@ -270,11 +272,14 @@ def runnable(cmd: Command, scaled: bool = True, scale: float = SCALE) -> str:
     if not TRAIN.search(text) or any(flag in text.split() for flag in NO_TRAINING) or cmd.status == 2:
         return text  # nothing trains (an expected error stops before)
     assert not re.search(r";|&&|\|", text), f"{cmd.page}:{cmd.line}: keep a training command alone on its line"
-    if re.search(r"--num_iters[ =]\d+", text):
-        return re.sub(r"--num_iters([ =])(\d+)",
-                      lambda m: f"--num_iters{m.group(1)}{max(1, round(int(m.group(2)) * scale))}", text)
     body, background = (text[:-1].rstrip(), " &") if text.endswith("&") else (text, "")
-    return f"{body} --num_iters {round(800 * scale)}{background}"
+    added = "" if "--figure_every" in body else " --figure_every 0"
+    if re.search(r"--num_iters[ =]\d+", body):
+        body = re.sub(r"--num_iters([ =])(\d+)",
+                      lambda m: f"--num_iters{m.group(1)}{max(1, round(int(m.group(2)) * scale))}", body)
+    else:
+        added += f" --num_iters {round(800 * scale)}"
+    return f"{body}{added}{background}"
 
 
 def script(commands: list[Command], logs: Path, scaled: bool = True) -> str:

@@ -40,10 +40,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Two tiny runs (tests/jobs.py RUN: 64 training samples, 8 steps per epoch, checkpoints every 5 steps, the last 2
 # kept) of 2 epochs, validating on the whole valid split (limit_nsamples_val null) after each: one scoring 3 rollout
-# steps, one the default single step. Their checkpoints: steps 15 and 16.
+# steps (drawing its TensorBoard figures at the second epoch only: --figure_every 2), one the default single step
+# (no figures: RUN's --figure_every 0). Their checkpoints: steps 15 and 16.
 # tests/e2e/test_bad_inputs.py asks for ROLLOUT_RUN too; reference_run trains it once per session.
 ROLLOUT_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
-               "--key_channels", "[u10m,t2m]"]
+               "--key_channels", "[u10m,t2m]", "--figure_every", "2"]
 ONE_STEP_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null"]
 CHANNELS = ["u10m", "v10m", "t2m", "sp"]  # the tiny data's 4 channels
 
@@ -406,6 +407,9 @@ def test_tensorboard_holds_the_rollout_scores(runs):
         assert last.step == rec["iteration"] == 16
         assert last.value == pytest.approx(rec[tag], rel=1e-6, abs=1e-7)
     assert "skill_by_lead/valid" in tags["images"] and "spectra/valid" in tags["images"]
+    for tag in ("prediction(u10m)/valid", "skill_by_lead/valid", "spectra/valid"):  # --figure_every 2, 2 epochs
+        assert [image.step for image in events.Images(tag)] == [16], tag
+    assert EventAccumulator(str(runs["one_step"])).Reload().Tags()["images"] == []  # --figure_every 0
     for tag in [f"{m}_by_lead/{ch}/{lbl}" for m in ("bias", "blurring") for ch in ("u10m", "t2m")
                 for lbl in ("006h", "012h", "018h")]:
         assert events.Scalars(tag)[-1].value == pytest.approx(rec[tag], rel=1e-6, abs=1e-7)

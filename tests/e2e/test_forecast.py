@@ -26,7 +26,7 @@ from tests.jobs import reference_run
 ROOT = Path(__file__).resolve().parents[2]
 # the arguments of ROLLOUT_RUN in tests/e2e/test_evaluation.py: a session running both trains the run once
 RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
-       "--key_channels", "[u10m,t2m]"]
+       "--key_channels", "[u10m,t2m]", "--figure_every", "2"]
 LEADS = 4
 
 

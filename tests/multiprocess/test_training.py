@@ -3,6 +3,7 @@ the NaN check agree with a single process."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -17,7 +18,7 @@ from tests.train_utils import assert_state_close, tiny_params, train_checkpoint,
 
 
 def test_tiny_run_learns_and_logs(tiny_data, tmp_path):
-    params = tiny_params(tiny_data, tmp_path, num_iters=60, valid_every=1)
+    params = tiny_params(tiny_data, tmp_path, num_iters=60, valid_every=1, figure_every=4)
     sd = train_checkpoint(params)
     run_dir = tmp_path / "tiny" / "1CPU" / "00"
     log_text = (run_dir / "out.log").read_text()
@@ -30,7 +31,11 @@ def test_tiny_run_learns_and_logs(tiny_data, tmp_path):
         assert tag in tags, tag
     valid = [e.value for e in acc.Scalars("loss/valid")]
     assert len(valid) >= 3 and valid[-1] < 0.7 * valid[0], valid
-    assert any(t.startswith("prediction(") for t in acc.Tags()["images"])
+    # the figures of every 4th epoch's validation and of the last (6 epochs: the 4th and 6th)
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    drawn = [r["iteration"] for r in epochs if r["epoch"] % 4 == 0 or r is epochs[-1]]
+    assert acc.Tags()["images"] == ["prediction(u10m)/valid"]
+    assert [image.step for image in acc.Images("prediction(u10m)/valid")] == drawn and len(drawn) == 2, drawn
     model = build_model(params.model, params.data)
     model.load_state_dict(sd)  # the checkpoint is the plain single-device layout
 

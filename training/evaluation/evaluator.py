@@ -28,7 +28,8 @@ class Evaluator(Component):
     """Validation skill of a model during training (collective over the data-parallel ranks).
 
     Args:
-        cfg: the ``evaluation`` section (``valid_every``, ``key_channels``, ``plot_channel``, ``valid_rollout_steps``).
+        cfg: the ``evaluation`` section (``valid_every``, ``key_channels``, ``plot_channel``, ``figure_every``,
+            ``valid_rollout_steps``).
         data: the run's data; ``data.valid`` yields ``(input (B, C, H, W), targets (B, K, C, H, W),
             sample indices)`` normalized batches on the device, ``K >= valid_rollout_steps``.
         world: this rank's place in the job.
@@ -74,27 +75,31 @@ class Evaluator(Component):
 
     def epoch_end(self, state, record: dict) -> None:
         """Validate after every ``valid_every``-th epoch and after the last one: the scores, ``valid_time_s``
-        (the seconds they took) and the figures (``record["figures"]``) join the epoch's record."""
+        (the seconds they took) and the figures (``record["figures"]``: after every ``figure_every``-th epoch
+        and the last, unless ``figure_every`` is 0) join the epoch's record."""
         if record["epoch"] % self.cfg.valid_every and not state.done:
             return
+        every = self.cfg.figure_every
+        draw = every > 0 and (record["epoch"] % every == 0 or state.done)
         start = time.perf_counter()
         with self.phase("validation"):
-            scores, figures = self.evaluate(self.model, self.autocast, record.get("iteration"))
+            scores, figures = self.evaluate(self.model, self.autocast, record.get("iteration"), draw)
         record.update(scores, valid_time_s=time.perf_counter() - start)  # the scores were read back: GPU done
         record["figures"] = figures
 
     def evaluate(self, model: nn.Module, autocast: Callable[[], ContextManager],
-                 step: int | None = None) -> tuple[dict, dict]:
+                 step: int | None = None, draw: bool = True) -> tuple[dict, dict]:
         """Score ``model``'s rollouts on the whole validation split under ``autocast()`` (``step``: the optimizer
-        step the figures' titles name).
+        step the figures' titles name; ``draw``: whether rank 0 draws the figures).
 
         Returns ``(record, figures)``. The record holds ``loss/valid`` (first lead), ``valid_samples``,
         per channel the first lead's ``rmse/<ch>``, ``acc/<ch>``, ``bias/<ch>``, ``blurring/<ch>``,
         ``rmse_persistence/<ch>``, ``acc_persistence/<ch>``, ``bias_persistence/<ch>``, ``rmse_climatology/<ch>``;
         with rollouts (``valid_rollout_steps`` > 1) also the key channels' ``rmse_by_lead/<ch>/<lead>``,
         ``acc_by_lead/...``, ``bias_by_lead/...``, ``blurring_by_lead/...`` and the whole table (without
-        spectra) as ``scorecard`` (:meth:`Scorecard.to_json`). ``figures`` (rank 0 only, by TensorBoard tag):
-        the plot channel's first prediction and, with rollouts, RMSE/ACC/bias against lead time and the spectra.
+        spectra) as ``scorecard`` (:meth:`Scorecard.to_json`). ``figures`` (rank 0 only, with ``draw``; by
+        TensorBoard tag): the plot channel's first prediction and, with rollouts, RMSE/ACC/bias against lead time
+        and the spectra.
 
         Raises:
             NonFiniteError: the scores are NaN/Inf (naming the validation samples holding NaN/Inf).
@@ -108,7 +113,8 @@ class Evaluator(Component):
                 first.append((pred.clone(), tar[0, 0].clone()))
 
         sums, checks = score_rollouts(model, self.data.valid, self.data.stats, self.lat_weights, self.steps,
-                                      autocast, keep_first if self.world.is_main else None, self.baselines is None,
+                                      autocast, keep_first if draw and self.world.is_main else None,
+                                      self.baselines is None,
                                       self.climatology, self.rows, self.data.valid_forcings, self.members)
         sums.reduce(self.world)
         if self.baselines is None:
