@@ -186,6 +186,7 @@ CASES = [
     Case("global batch 0", ["--global_batch_size", "0"], ["--global_batch_size must be >= 1, got 0"]),
     Case("patch 0", ["--patch_size", "0"], ["--patch_size must be >= 1"]),
     Case("valid_every 0", ["--valid_every", "0"], ["--valid_every must be >= 1"]),
+    Case("negative figure_every", ["--figure_every", "-1"], ["--figure_every must be >= 0, got -1"]),
     Case("depth 0", ["--depth", "0"], ["--depth must be >= 1"]),
     Case("dt 0", ["--dt", "0"], ["--dt must be >= 1"]),
     Case("negative iterations", ["--num_iters", "-5"], ["--num_iters must be >= 1"]),
