@@ -15,10 +15,12 @@ from tests.dist_utils import free_port, subprocess_env
 from tests.forked import Forked
 
 ROOT = Path(__file__).resolve().parents[1]
-# tiny on 64 samples: 8 steps per epoch at global batch 8, checkpoints every 5 steps; no TensorBoard figures
-# (matplotlib's ~0.5 s a validation; tests/multiprocess/test_training.py tests them)
+# tiny on 64 samples: 8 steps per epoch at global batch 8, checkpoints every 10 steps (a save took 0.4-0.7 s of a
+# 4-rank job's 3 s epoch on 2 cores), fused Adam (one kernel a parameter group: the for-loop Adam of a CPU run
+# propagates DTensor shardings op by op, 15-20 % of a tp 2 x FSDP step; the docs' runs use the default); no
+# TensorBoard figures (matplotlib's ~0.5 s a validation; tests/multiprocess/test_training.py tests them)
 RUN = ["--config", "tiny", "--num_iters", "24", "--limit_nsamples", "64", "--limit_nsamples_val", "32",
-       "--checkpoint_every_steps", "5", "--log_every", "1000", "--figure_every", "0"]
+       "--checkpoint_every_steps", "10", "--log_every", "1000", "--figure_every", "0", "--enable_fused"]
 
 
 def with_args(base: list[str], args: list[str] | tuple[str, ...]) -> list[str]:

@@ -13,8 +13,10 @@ from training.loop.trainer import Trainer
 
 def tiny_params(data_path, expdir, **overrides):
     """The ``tiny`` config on ``data_path`` with string/typed overrides, writing under ``expdir``; no TensorBoard
-    figures unless ``figure_every`` is given (matplotlib's ~0.5 s a validation)."""
-    base = {"data_path": str(data_path), "expdir": str(expdir), "log_every": "1000", "figure_every": "0"}
+    figures unless ``figure_every`` is given (matplotlib's ~0.5 s a validation); fused Adam unless
+    ``enable_fused`` is given (as ``tests/jobs.py``'s ``RUN``: the for-loop Adam is slower on DTensors)."""
+    base = {"data_path": str(data_path), "expdir": str(expdir), "log_every": "1000", "figure_every": "0",
+            "enable_fused": "true"}
     base.update({k: str(v) for k, v in overrides.items()})
     return load_config("config/ViT.yaml", "tiny", base)
 

@@ -495,7 +495,7 @@ EVAL_CASES = [
     EvalCase("more lead steps than the split holds", ["--run_dir", "{run}", "--lead_steps", "48"],
              ["48 time steps, too few for 48 rollout steps", "use at most 47 rollout steps"]),
     EvalCase("step not saved", ["--run_dir", "{run}", "--lead_steps", "1", "--step", "999"],
-             ["no complete checkpoint step_00000999", "complete steps: 15, 16", "--step"]),
+             ["no complete checkpoint step_00000999", "complete steps: 10, 16", "--step"]),
     EvalCase("step and checkpoint", ["--run_dir", "{run}", "--lead_steps", "1", "--step", "5",
                                      "--checkpoint", "{run}/checkpoints/model.pt"], ["--step and --checkpoint"]),
     EvalCase("unknown channel", ["--run_dir", "{run}", "--lead_steps", "1", "--channels", "u10m,nope"],

@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from distributed.launch import LaunchEnv  # noqa: E402
 from distributed.failure import FailureChannel, finish  # noqa: E402
 from distributed.rendezvous import rank_list, rendezvous  # noqa: E402
+from tests.forked import ForkedPopen  # noqa: E402
 from utils.core.errors import UserError  # noqa: E402
 
 
@@ -98,15 +99,15 @@ def run_rank(scenario: str) -> None:
 
 # ---------------------------------------------------------------- helpers for the tests
 
-def start_ranks(scenario: str, world_size: int, port: int) -> list[subprocess.Popen]:
+def start_ranks(scenario: str, world_size: int, port: int) -> list[ForkedPopen]:
+    """``python tests/e2e/test_rendezvous.py scenario`` once per rank, forked (``tests/forked.py``): real
+    processes, without the seconds of importing torch in each."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
-    return [subprocess.Popen([sys.executable, __file__, scenario], cwd=ROOT, env={**base, "RANK": str(r)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(world_size)]
+    return [ForkedPopen([__file__, scenario], ROOT, {**base, "RANK": str(r)}) for r in range(world_size)]
 
 
-def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
+def wait_all(procs: list[ForkedPopen], timeout_s: float) -> list[tuple[int, str, str]]:
     """(exit status, stdout, stderr) of every process; kills them all if one outlives ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     try:
