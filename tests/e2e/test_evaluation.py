@@ -38,10 +38,10 @@ from training.evaluation.metrics import latitude_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Two tiny runs (tests/jobs.py RUN: 64 training samples, 8 steps per epoch, checkpoints every 5 steps, the last 2
+# Two tiny runs (tests/jobs.py RUN: 64 training samples, 8 steps per epoch, checkpoints every 10 steps, the last 2
 # kept) of 2 epochs, validating on the whole valid split (limit_nsamples_val null) after each: one scoring 3 rollout
 # steps (drawing its TensorBoard figures at the second epoch only: --figure_every 2), one the default single step
-# (no figures: RUN's --figure_every 0). Their checkpoints: steps 15 and 16.
+# (no figures: RUN's --figure_every 0). Their checkpoints: steps 10 and 16.
 # tests/e2e/test_bad_inputs.py asks for ROLLOUT_RUN too; reference_run trains it once per session.
 ROLLOUT_RUN = ["--num_iters", "16", "--limit_nsamples_val", "null", "--valid_rollout_steps", "3",
                "--key_channels", "[u10m,t2m]", "--figure_every", "2"]

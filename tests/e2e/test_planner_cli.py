@@ -56,10 +56,11 @@ def test_dry_run_of_a_128_rank_hsdp_tp2_vit_2b_job_prints_its_plan(tmp_path):
     # rank 0 keeps 1/16 of the blocks' weights (tp 2 x HSDP shard 8), fp32, and Adam twice that; 1/8 of the
     # patch embedding, final norm and head, which tensor parallelism leaves whole; and pos_embed (1, 4050, 2560)
     # whole: FSDP splits its leading axis, of length 1
-    sizes = parameter_counts(cli_config(VIT_2B_128, "tiny"))
+    cfg = cli_config(VIT_2B_128, "tiny")
+    sizes = parameter_counts(cfg)
     outside = sizes["patch_embed"] + sizes["norm"] + sizes["head"]
     share = (sizes["blocks"] / 16 + outside / 8 + sizes["pos_embed"]) * 4 / 2**20
-    assert sum(sizes.values()) == count_parameters(cli_config(VIT_2B_128, "tiny"))
+    assert sum(sizes.values()) == count_parameters(cfg)
     # to 0.1 %: the blocks' norms and row-parallel biases, also whole on each tp rank, are 0.03 % more
     assert mib_row(text, "parameters shard MiB (counted)")[0] == pytest.approx(share, rel=1e-3)
     assert mib_row(text, "optimizer state shard MiB (counted)")[0] == pytest.approx(2 * share, rel=1e-3)

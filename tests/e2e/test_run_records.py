@@ -132,7 +132,7 @@ def test_a_killed_run_is_recorded_as_killed_when_it_goes_on(tiny_data, tmp_path)
     with the last checkpoint, its first line says so, and that record stays in the resume's entry once the run
     completes."""
     from tests.jobs import run_job, run_path
-    [(status, _, _)] = run_job(tmp_path, tiny_data, [], 1, signal_at=13)  # checkpoints every 5 steps: 10 is last
+    [(status, _, _)] = run_job(tmp_path, tiny_data, [], 1, signal_at=13)  # checkpoints every 10 steps: 10 is last
     record = json.loads((run_path(tmp_path, 1) / "run.json").read_text())
     assert status == -9 and record["status"] == "running"
     [(status, out, err)] = run_job(tmp_path, tiny_data, [], 1)
