@@ -1,5 +1,5 @@
 """Every rank watches every other: on 2 and 3 gloo ranks, each rank in turn is stopped (SIGSTOP) or
-killed (SIGKILL) while the job runs collectives; every surviving rank must print one line naming it and
+killed (SIGKILL) while the job runs collectives (ten jobs, run at once); every surviving rank must print one line naming it and
 exit non-zero within ``--collective_timeout_s`` plus 10 s, with no gloo traceback and no process left.
 
 Run as a script, ``python tests/e2e/test_rank_loss.py`` is one rank (``RANK``, ``WORLD_SIZE``,
@@ -12,9 +12,8 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -57,28 +56,37 @@ def start_ranks(world_size: int) -> list:
 CASES = [(world, victim, sig) for world in (2, 3) for victim in range(world) for sig in ("STOP", "KILL")]
 
 
-@pytest.mark.parametrize("world_size,victim,sig", CASES, ids=[f"{w}ranks-{s}{v}" for w, v, s in CASES])
-def test_every_survivor_names_the_lost_rank(world_size, victim, sig):
-    procs = start_ranks(world_size)
+def lose_a_rank(procs: list, victim: int, sig: str) -> tuple[dict[int, str], float]:
+    """Once every rank is ready, signal rank ``victim``; each survivor's stderr, and the seconds from the signal
+    until the last survivor exited."""
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.communicate(timeout=30)
+    procs[victim].send_signal(getattr(signal, "SIG" + sig))
+    t0 = time.monotonic()
+    outputs = {r: p.communicate(timeout=TIMEOUT_S + 10 + 20)[1] for r, p in enumerate(procs) if r != victim}
+    return outputs, time.monotonic() - t0
+
+
+def test_every_survivor_names_the_lost_rank():
+    """Every case of :data:`CASES` at once, each its own job on its own port: the seconds each spends waiting
+    for the silence overlap (one case at a time left both cores of the suite idle for a minute)."""
+    jobs = [start_ranks(world) for world, _, _ in CASES]
     try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.communicate(timeout=30)
-        procs[victim].send_signal(getattr(signal, "SIG" + sig))
-        t0 = time.monotonic()
-        survivors = [(r, p) for r, p in enumerate(procs) if r != victim]
-        outputs = {r: p.communicate(timeout=TIMEOUT_S + 10 + 20)[1] for r, p in survivors}
-        waited = time.monotonic() - t0
+        with ThreadPoolExecutor(len(CASES)) as pool:
+            results = list(pool.map(lambda job, case: lose_a_rank(job, *case[1:]), jobs, CASES))
     finally:
-        for p in procs:
+        for p in (p for job in jobs for p in job):
             p.kill()
             p.communicate()
-    for r, err in outputs.items():
-        assert procs[r].returncode not in (0, None), err
-        lines = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1, err[-3000:]
-        assert f"rank {victim} of {world_size}" in lines[0], lines[0]
-        assert "Traceback" not in err and "gloo" not in err.lower(), err[-3000:]
-    assert waited < TIMEOUT_S + 10, waited
+    for (world_size, victim, sig), job, (outputs, waited) in zip(CASES, jobs, results):
+        case = f"{world_size} ranks, SIG{sig} to rank {victim}"
+        for r, err in outputs.items():
+            assert job[r].returncode not in (0, None), f"{case}, rank {r}: {err}"
+            lines = [line for line in err.splitlines() if line.startswith("error:")]
+            assert len(lines) == 1, f"{case}, rank {r}: {err[-3000:]}"
+            assert f"rank {victim} of {world_size}" in lines[0], f"{case}, rank {r}: {lines[0]}"
+            assert "Traceback" not in err and "gloo" not in err.lower(), f"{case}, rank {r}: {err[-3000:]}"
+        assert waited < TIMEOUT_S + 10, f"{case}: the survivors took {waited:.1f} s"
 
 
 if __name__ == "__main__":
