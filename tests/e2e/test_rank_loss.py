@@ -1,6 +1,7 @@
 """Every rank watches every other: on 2 and 3 gloo ranks, each rank in turn is stopped (SIGSTOP) or
-killed (SIGKILL) while the job runs collectives (ten jobs, run at once); every surviving rank must print one line naming it and
-exit non-zero within ``--collective_timeout_s`` plus 10 s, with no gloo traceback and no process left.
+killed (SIGKILL) while the job runs collectives (ten jobs, run at once); every surviving rank must print one
+line naming it and exit non-zero within ``--collective_timeout_s`` plus 10 s, with no gloo traceback and no
+process left.
 
 Run as a script, ``python tests/e2e/test_rank_loss.py`` is one rank (``RANK``, ``WORLD_SIZE``,
 ``MASTER_PORT`` in its environment) inside :func:`distributed.world.distributed_session`, the wrapper
