@@ -71,10 +71,11 @@ def lose_a_rank(procs: list, victim: int, sig: str) -> tuple[dict[int, str], flo
 def test_every_survivor_names_the_lost_rank():
     """Every case of :data:`CASES` at once, each its own job on its own port: the seconds each spends waiting
     for the silence overlap (one case at a time left both cores of the suite idle for a minute)."""
-    jobs = [start_ranks(world) for world, _, _ in CASES]
+    worlds, victims, sigs = zip(*CASES)
+    jobs = [start_ranks(world) for world in worlds]
     try:
         with ThreadPoolExecutor(len(CASES)) as pool:
-            results = list(pool.map(lambda job, case: lose_a_rank(job, *case[1:]), jobs, CASES))
+            results = list(pool.map(lose_a_rank, jobs, victims, sigs))
     finally:
         for p in (p for job in jobs for p in job):
             p.kill()
