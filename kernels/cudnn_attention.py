@@ -69,13 +69,14 @@ def cudnn_handle(device_index: int):
         return cudnn_module().create_handle()
 
 
-@lru_cache(maxsize=None)
-def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: int) -> AttentionGraphs:
-    """Build (once per shape, dtype and device) the forward and backward cuDNN SDPA graphs."""
+def declare_graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, handle) -> AttentionGraphs:
+    """Declare the forward and backward cuDNN SDPA graphs of one shape, not yet planned or built.
+
+    ``_graphs`` builds them with cuDNN's heuristics; ``benchmarks/attention_plans.py`` times every plan instead.
+    """
     cudnn = cudnn_module()
     io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
     f32 = cudnn.data_type.FLOAT
-    handle = cudnn_handle(device_index)
     packed, dense = attention_strides(n, h, d)
     dims, scale = (b, h, n, d), 1.0 / math.sqrt(d)
 
@@ -88,7 +89,6 @@ def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: in
                                   use_causal_mask=False)
     f["o"].set_output(True).set_dim(dims).set_stride(dense).set_data_type(io)
     f["stats"].set_output(True).set_dim((b, h, n, 1)).set_stride((h * n, n, 1, 1)).set_data_type(f32)
-    build_graph(fwd)
 
     bwd = graph()
     g = {name: bwd.tensor(name=name, dim=dims, stride=packed, data_type=io) for name in "qkv"}
@@ -99,8 +99,33 @@ def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: in
                                                   stats=g["stats"], attn_scale=scale, use_causal_mask=False)
     for name in ("dq", "dk", "dv"):
         g[name].set_output(True).set_dim(dims).set_stride(packed).set_data_type(io)
-    build_graph(bwd)
     return AttentionGraphs(handle, fwd, bwd, f, g)
+
+
+@lru_cache(maxsize=None)
+def _graphs(b: int, n: int, h: int, d: int, dtype: torch.dtype, device_index: int) -> AttentionGraphs:
+    """Build (once per shape, dtype and device) the forward and backward cuDNN SDPA graphs."""
+    gr = declare_graphs(b, n, h, d, dtype, cudnn_handle(device_index))
+    build_graph(gr.fwd)
+    build_graph(gr.bwd)
+    return gr
+
+
+def forward_pack(gr: AttentionGraphs, qkv: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> dict:
+    """The forward graph's tensors: packed ``qkv`` (B, N, 3, H, D) in, ``out`` (B, N, H, D) and ``stats``
+    (B, H, N, 1) float32 written."""
+    q, k, v = packed_views(qkv)
+    return {gr.f["q"]: q, gr.f["k"]: k, gr.f["v"]: v, gr.f["o"]: out.transpose(1, 2), gr.f["stats"]: stats}
+
+
+def backward_pack(gr: AttentionGraphs, qkv, out, stats, grad_out, grad_qkv) -> dict:
+    """The backward graph's tensors: the forward's and ``grad_out`` (B, N, H, D, dense) in, ``grad_qkv``
+    (B, N, 3, H, D) written."""
+    q, k, v = packed_views(qkv)
+    dq, dk, dv = packed_views(grad_qkv)
+    return {gr.b["q"]: q, gr.b["k"]: k, gr.b["v"]: v, gr.b["o"]: out.transpose(1, 2),
+            gr.b["do"]: grad_out.transpose(1, 2), gr.b["stats"]: stats, gr.b["dq"]: dq, gr.b["dk"]: dk,
+            gr.b["dv"]: dv}
 
 
 def packed_views(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -121,9 +146,7 @@ def _forward(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gr = _graphs(b, n, h, d, qkv.dtype, qkv.device.index)
     out = qkv.new_empty(b, n, h, d)
     stats = qkv.new_empty(b, h, n, 1, dtype=torch.float32)
-    q, k, v = packed_views(qkv)
-    execute_graph(gr.fwd, gr.handle, {gr.f["q"]: q, gr.f["k"]: k, gr.f["v"]: v, gr.f["o"]: out.transpose(1, 2),
-                                 gr.f["stats"]: stats}, qkv.device)
+    execute_graph(gr.fwd, gr.handle, forward_pack(gr, qkv, out, stats), qkv.device)
     return out, stats
 
 
@@ -138,11 +161,7 @@ def _backward(qkv: torch.Tensor, out: torch.Tensor, stats: torch.Tensor, grad_ou
     b, n, _, h, d = qkv.shape
     gr = _graphs(b, n, h, d, qkv.dtype, qkv.device.index)
     grad_qkv = torch.empty_like(qkv)
-    q, k, v = packed_views(qkv)
-    dq, dk, dv = packed_views(grad_qkv)
-    execute_graph(gr.bwd, gr.handle, {gr.b["q"]: q, gr.b["k"]: k, gr.b["v"]: v, gr.b["o"]: out.transpose(1, 2),
-                                 gr.b["do"]: grad_out.transpose(1, 2), gr.b["stats"]: stats,
-                                 gr.b["dq"]: dq, gr.b["dk"]: dk, gr.b["dv"]: dv}, qkv.device)
+    execute_graph(gr.bwd, gr.handle, backward_pack(gr, qkv, out, stats, grad_out, grad_qkv), qkv.device)
     return grad_qkv
 
 
