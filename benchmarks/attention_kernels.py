@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, table  # noqa: E402
+from benchmarks.common import Results, add_attention_shape, table  # noqa: E402
 from kernels.cudnn_attention import packed_attention  # noqa: E402
 from kernels.cudnn_fp8_attention import fp8_attention_unsupported, fp8_packed_attention  # noqa: E402
 from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
@@ -174,10 +174,7 @@ def gemm_rows(tokens: int, dim: int, hidden: int, iters: int) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=4050)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head_dim", type=int, default=48)
+    add_attention_shape(ap)
     ap.add_argument("--mlp_ratio", type=float, default=4.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/attention_kernels.json")

@@ -130,3 +130,11 @@ class Results(list):
 
     def save(self) -> None:
         save_json(self.path, {**self.meta, "results": list(self)})
+
+
+def add_attention_shape(parser) -> None:
+    """The options of one attention block's shape, by default the ``short`` config's blocks at local batch 16."""
+    parser.add_argument("--batch", type=int, default=16, help="local batch size")
+    parser.add_argument("--tokens", type=int, default=4050, help="tokens per sample (360 x 720 in patches of 8)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head_dim", type=int, default=48)
