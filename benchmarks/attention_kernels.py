@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,24 +30,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, add_attention_shape, table  # noqa: E402
+from benchmarks.common import Results, add_attention_shape, mean_ms, table  # noqa: E402
 from kernels.cudnn_attention import packed_attention  # noqa: E402
 from kernels.cudnn_fp8_attention import fp8_attention_unsupported, fp8_packed_attention  # noqa: E402
 from utils.core.errors import ArgumentParser, run_cli  # noqa: E402
 
 COLUMNS = [("kernel", "kernel", "s"), ("fwd ms", "fwd_ms", ".3f"), ("fwd+bwd ms", "fwd_bwd_ms", ".3f"),
            ("TFLOP/s", "tflops", ".0f"), ("max |diff|", "max_diff", ".2e"), ("note", "note", "s")]
-
-
-def mean_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def sdpa_attend(qkv: torch.Tensor) -> torch.Tensor:

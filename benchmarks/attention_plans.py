@@ -13,7 +13,7 @@ runs; PyTorch's cuDNN backend asks the same cuDNN), the script
 2. for each engine among those plans, builds one plan for every value of each knob the engine exposes
    (``get_knobs_for_engine``; with several knobs, every combination, each knob also left unset), and keeps the
    plans cuDNN finalizes;
-3. times each built plan (mean of ``--iters`` runs after 3 warm-ups, CUDA events) and compares its output
+3. times each built plan (mean of ``--iters`` runs after 3 warm-ups) and compares its output
    (forward: O; backward: the packed dQKV) with the training kernel's on the same inputs.
 
 Prints the built plans, fastest first within each graph, with their time, TFLOP/s (forward 4BHN^2D, backward
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, add_attention_shape, table  # noqa: E402
+from benchmarks.common import Results, add_attention_shape, mean_ms, table  # noqa: E402
 from kernels.cudnn_attention import (backward_pack, cudnn_handle, cudnn_module, declare_graphs,  # noqa: E402
                                      forward_pack)
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
@@ -78,22 +78,11 @@ class Problem:
         return (self.output[kind].float() - self.reference[kind].float()).abs().max().item()
 
 
-def mean_ms(graph, pack: dict, index: int, handle, iters: int) -> tuple[float, int]:
-    """Mean time of plan ``index`` over ``iters`` runs after 3 warm-ups, and its workspace in bytes."""
-    workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), device="cuda", dtype=torch.uint8)
-    for _ in range(3):
-        graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, workspace.numel()
-
-
-def knob_name(knobs: dict) -> str:
-    return " ".join(f"{str(k).split('.')[-1]}={v}" for k, v in sorted(knobs.items(), key=str)) or "-"
+def plan_row(kind: str, engine: int, knobs: dict, note: str) -> dict:
+    """The row of one plan: its graph, engine and knob values (by knob name)."""
+    values = {str(k).split(".")[-1]: v for k, v in knobs.items()}
+    return {"graph": kind, "engine": engine, "knobs": " ".join(f"{k}={v}" for k, v in sorted(values.items())) or "-",
+            "knob_values": values, "note": note}
 
 
 def heuristic_plans(problem: Problem, kind: str, iters: int, tolerance: float) -> tuple[list[dict], object]:
@@ -108,21 +97,24 @@ def heuristic_plans(problem: Problem, kind: str, iters: int, tolerance: float) -
     graph.build_plans(cudnn.build_plan_policy.ALL)
     rows = []
     for index in range(graph.get_execution_plan_count()):
-        engine, knobs = graph.get_engine_and_knobs_at_index(index)
-        row = {"graph": kind, "engine": engine, "knobs": knob_name(knobs), "knob_values": knobs,
-               "note": f"heuristics' #{index}" + (" (training's)" if index == 0 else "")}
+        row = plan_row(kind, *graph.get_engine_and_knobs_at_index(index),
+                       f"heuristics' #{index}" + (" (training's)" if index == 0 else ""))
         rows.append(timed(row, problem, kind, lambda: (graph, pack, index), iters, tolerance))
     return rows, graph
 
 
-def knob_plans(problem: Problem, kind: str, engine: int, knobs_info, iters: int, tolerance: float) -> list[dict]:
-    """Rows for one plan of ``engine`` per combination of its knobs' values."""
+def knob_plans(problem: Problem, kind: str, engine: int, knobs_info, seen: set, iters: int,
+               tolerance: float) -> list[dict]:
+    """Rows for one plan of ``engine`` per combination of its knobs' values, but those whose (engine, knobs) are in
+    ``seen`` (the heuristics' plans, timed already)."""
     axes = [[None] * (len(knobs_info) > 1) + list(range(k.min_value, k.max_value + 1, max(k.stride, 1)))
             for k in knobs_info]
     rows = []
     for values in itertools.product(*axes):
         knobs = {k.type: v for k, v in zip(knobs_info, values) if v is not None}
-        row = {"graph": kind, "engine": engine, "knobs": knob_name(knobs), "knob_values": knobs, "note": "knob sweep"}
+        row = plan_row(kind, engine, knobs, "knob sweep")
+        if (engine, row["knobs"]) in seen:
+            continue
 
         def build():
             graph, pack = problem.graph(kind)
@@ -140,14 +132,14 @@ def knob_plans(problem: Problem, kind: str, engine: int, knobs_info, iters: int,
 def timed(row: dict, problem: Problem, kind: str, build, iters: int, tolerance: float) -> dict:
     """Build, time and check one plan; a plan cuDNN declines keeps its reason in ``declined``, one whose output
     differs from the training kernel's by more than ``tolerance`` (or is NaN) is marked wrong."""
-    row["knob_values"] = {str(k).split(".")[-1]: v for k, v in row["knob_values"].items()}
     try:
         graph, pack, index = build()
-        row["ms"], workspace = mean_ms(graph, pack, index, problem.handle, iters)
+        workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), device="cuda", dtype=torch.uint8)
+        row["ms"] = mean_ms(lambda: graph.execute_plan_at_index(pack, workspace, index, handle=problem.handle), iters)
     except Exception as e:  # cudnn-frontend's error types share no base class
         row["declined"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         return row
-    row["workspace_mib"] = workspace / 2**20
+    row["workspace_mib"] = workspace.numel() / 2**20
     row["tflops"] = problem.flop(kind) / row["ms"] / 1e9
     row["max_diff"] = problem.max_diff(kind)
     if not row["max_diff"] <= tolerance:  # NaN too
@@ -160,8 +152,7 @@ def survey(problem: Problem, kind: str, iters: int, tolerance: float) -> list[di
     rows, graph = heuristic_plans(problem, kind, iters, tolerance)
     seen = {(r["engine"], r["knobs"]) for r in rows}
     for engine in dict.fromkeys(r["engine"] for r in rows):
-        rows += [r for r in knob_plans(problem, kind, engine, graph.get_knobs_for_engine(engine), iters, tolerance)
-                 if (r["engine"], r["knobs"]) not in seen]
+        rows += knob_plans(problem, kind, engine, graph.get_knobs_for_engine(engine), seen, iters, tolerance)
     return rows
 
 

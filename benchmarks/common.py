@@ -138,3 +138,17 @@ def add_attention_shape(parser) -> None:
     parser.add_argument("--tokens", type=int, default=4050, help="tokens per sample (360 x 720 in patches of 8)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head_dim", type=int, default=48)
+
+
+def mean_ms(fn, iters: int) -> float:
+    """Mean milliseconds of a call of ``fn`` on the GPU: ``iters`` calls after 3 warm-ups, between two
+    synchronizations."""
+    import torch
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
