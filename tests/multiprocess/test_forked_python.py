@@ -48,13 +48,14 @@ def test_a_run_gets_the_command_line_and_ends_with_its_status(shell):
 
 
 def test_signals_reach_the_run_and_its_end_reaches_the_shell(shell):
-    out = shell("python probe.py wait > log 2>&1 & p=$!; until grep -q ready log; do sleep 0.1; done; "
+    # one log per run: a run's "ready" must not be read from the previous run's log before the shell truncates it
+    out = shell("python probe.py wait > usr1.log 2>&1 & p=$!; until grep -q ready usr1.log; do sleep 0.1; done; "
                 'kill -USR1 $p; wait $p; echo "handled $?"; '
-                "python probe.py wait > log 2>&1 & p=$!; until grep -q ready log; do sleep 0.1; done; "
+                "python probe.py wait > term.log 2>&1 & p=$!; until grep -q ready term.log; do sleep 0.1; done; "
                 'kill -TERM $p; wait $p; echo "terminated $?"; '
-                "python probe.py wait > log 2>&1 & p=$!; until grep -q ready log; do sleep 0.1; done; "
+                "python probe.py wait > int.log 2>&1 & p=$!; until grep -q ready int.log; do sleep 0.1; done; "
                 'kill -INT $p; sleep 0.5; kill -0 $p && echo "SIGINT ignored in the background"; kill -KILL $p; '
-                'wait $p; echo "killed $?"; sleep 0.5; kill -0 "$(grep -o "[0-9]*$" log)" || echo "no run left"')
+                'wait $p; echo "killed $?"; sleep 0.5; kill -0 "$(grep -o "[0-9]*$" int.log)" || echo "no run left"')
     assert "handled 75" in out and "terminated 143" in out, out
     assert "SIGINT ignored in the background" in out, out  # as bash starts a background job
     assert "killed 137" in out and "no run left" in out, out  # SIGKILL of the client takes the run along
