@@ -64,11 +64,16 @@ class Problem:
         cudnn_module().set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
 
     def graph(self, kind: str):
-        """A fresh declared graph of ``kind`` and its variant pack."""
+        """A fresh graph of ``kind``, validated and with its operation graph built (ready for plans), and its
+        variant pack."""
         gr = declare_graphs(*self.shape, torch.bfloat16, self.handle)
         if kind == "fwd":
-            return gr.fwd, forward_pack(gr, self.qkv, self.output["fwd"], self.plan_stats)
-        return gr.bwd, backward_pack(gr, self.qkv, self.out, self.stats, self.grad_out, self.output["bwd"])
+            graph, pack = gr.fwd, forward_pack(gr, self.qkv, self.output["fwd"], self.plan_stats)
+        else:
+            graph, pack = gr.bwd, backward_pack(gr, self.qkv, self.out, self.stats, self.grad_out, self.output["bwd"])
+        graph.validate()
+        graph.build_operation_graph()
+        return graph, pack
 
     def flop(self, kind: str) -> float:
         b, n, h, d = self.shape
@@ -90,8 +95,6 @@ def heuristic_plans(problem: Problem, kind: str, iters: int, tolerance: float) -
     (it answers which knobs an engine has)."""
     cudnn = cudnn_module()
     graph, pack = problem.graph(kind)
-    graph.validate()
-    graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans(cudnn.build_plan_policy.ALL)
@@ -118,8 +121,6 @@ def knob_plans(problem: Problem, kind: str, engine: int, knobs_info, seen: set, 
 
         def build():
             graph, pack = problem.graph(kind)
-            graph.validate()
-            graph.build_operation_graph()
             graph.create_execution_plan(engine, knobs)
             graph.check_support()
             graph.build_plan_at_index(0)
@@ -196,7 +197,7 @@ def main(argv: list[str]) -> int:
                    cudnn_backend=torch.backends.cudnn.version(), cudnn_frontend=cudnn_module().__version__)
     for kind in ("fwd", "bwd"):
         for row in survey(problem, kind, args.iters, args.tolerance):
-            rows.append(row)
+            rows.append(row)  # Results.append saves each row
     built = sorted((r for r in rows if "ms" in r), key=lambda r: (r["graph"] == "bwd", r["ms"]))
     print(table(built, COLUMNS))
     print(f"{len(built)} plans built of {len(rows)} tried; saved {args.out}")
