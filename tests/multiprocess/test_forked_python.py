@@ -48,13 +48,14 @@ def test_a_run_gets_the_command_line_and_ends_with_its_status(shell):
 
 
 def test_signals_reach_the_run_and_its_end_reaches_the_shell(shell):
-    # one log per run: a run's "ready" must not be read from the previous run's log before the shell truncates it
-    out = shell("python probe.py wait > usr1.log 2>&1 & p=$!; until grep -q ready usr1.log; do sleep 0.1; done; "
-                'kill -USR1 $p; wait $p; echo "handled $?"; '
-                "python probe.py wait > term.log 2>&1 & p=$!; until grep -q ready term.log; do sleep 0.1; done; "
-                'kill -TERM $p; wait $p; echo "terminated $?"; '
-                "python probe.py wait > int.log 2>&1 & p=$!; until grep -q ready int.log; do sleep 0.1; done; "
-                'kill -INT $p; sleep 0.5; kill -0 $p && echo "SIGINT ignored in the background"; kill -KILL $p; '
+    # start NAME: a run in the background, its pid in $p, once it is ready; one log per run, so that a run's
+    # "ready" is never read from the previous run's log before the shell truncates it
+    out = shell('start() { python probe.py wait > $1.log 2>&1 & p=$!; '
+                'until grep -q ready $1.log; do sleep 0.1; done; }; '
+                'start usr1; kill -USR1 $p; wait $p; echo "handled $?"; '
+                'start term; kill -TERM $p; wait $p; echo "terminated $?"; '
+                'start int; kill -INT $p; sleep 0.5; kill -0 $p && echo "SIGINT ignored in the background"; '
+                'kill -KILL $p; '
                 'wait $p; echo "killed $?"; run=$(sed -n "s/^ready //p" int.log); '  # the run's pid, as it printed it
                 'for i in $(seq 100); do kill -0 $run 2>/dev/null || break; sleep 0.1; done; '  # 10 s on a busy machine
                 'if test -n "$run" && ! kill -0 $run 2>/dev/null; then echo "no run left"; fi')
