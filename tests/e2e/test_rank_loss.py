@@ -20,9 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# --collective_timeout_s: silence for 3/4 of it (9 s) declares a rank lost. Under gVisor (this sandbox and CI),
-# about one TCPStore connect in thirty stalls for 5.0 s, often with the store's replies to the other ranks: at 6 s
-# (4.5 s of silence) a live rank was declared lost at iteration 0
+# --collective_timeout_s: silence for 3/4 of it (9 s) declares a rank lost; above gVisor's 5 s store stalls
+# (docs/launching.md)
 TIMEOUT_S = 12
 
 
