@@ -45,10 +45,10 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
 Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``, ``fp8_zero3``) a failed run
 is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The
 DDP run of ``mp`` that ``tp``, ``tp_async`` and ``cp`` compare with runs once per invocation. A metric missing
-from the reference is reported as new: the H200 reference holds ``tp``, ``tp_async``, ``cp``, ``fp8_zero3``,
-``modes``, ``scaling``, the bf16 ceiling and ``fp8_vit2b`` (its rowwise run through ``--resume``); the H100 one
-``ceiling``, ``e2e``, ``fp8``, ``checkpoint``, ``tp``, ``modes``, ``fp8_vit2b`` and ``scaling`` (but not its
-ceilings at once), and in part ``tp_async`` (async tp).
+from the reference is reported as new: the H200 reference holds every measurement (``scaling`` at 4 GPUs;
+``fp8_vit2b``'s rowwise run through ``--resume``); the H100 one ``ceiling``, ``e2e``, ``fp8``, ``checkpoint``,
+``tp``, ``modes``, ``fp8_vit2b`` and ``scaling`` (but not its ceilings at once), and in part ``tp_async`` (async
+tp).
 
 Each metric is compared with the same metric of the reference, ``benchmarks/results/<gpu>_check.json``
 (``<gpu>`` from the device name: h100, h200, ...; ``--reference`` names another), an earlier output of this
@@ -56,7 +56,9 @@ script on the same kind of GPU: a change for the worse of more than ``--toleranc
 also need to grow by more than ``STALL_SLACK_S``) is a regression. Prints a table and what regressed,
 writes JSON (``--out``; copy it to the reference path to make it the next reference), and exits with
 status 4 when something regressed. A failed run is reported and the other measurements go on; the script
-then exits 2 with an ``error:`` line naming it. Arguments after ``--`` go to every run.
+then exits 2 with an ``error:`` line naming it. One run can be slow on one machine (docs/speed.md, round 5r: a bf16
+ceiling 15 % low, normal on the next two machines): measure a regression again, on another machine where you can,
+before looking for its cause in the code. Arguments after ``--`` go to every run.
 
 The JSON is rewritten (atomically) after each measurement, so a device call's time limit loses only the
 measurement under way: SIGTERM (``timeout``'s), SIGUSR1 or Ctrl-C stops the script at once, the run in flight
