@@ -10,8 +10,9 @@ CI (it times real training). With data of the real shape:
     python benchmarks/check.py --data_path /tmp/full --only scaling --out $OUT/h100x2_check_scaling.json  # 2+ GPUs
     python benchmarks/check.py --data_path /tmp/full --only fp8_zero3 --out $OUT/h100x2_check_fp8_zero3.json  # 2 GPUs
 
-The measurements (``--only`` picks some), each a ``train.py`` run of two epochs of ``--config`` (default
-``short_opt``; its second epoch is reported) or, for the checkpoint stall, ``benchmarks/checkpoint.py``:
+The measurements (``--only`` picks some), in the order they run, each a ``train.py`` run of two epochs of
+``--config`` (default ``short_opt``; its second epoch is reported) or, for the checkpoint stall,
+``benchmarks/checkpoint.py``:
 
 * ``ceiling``: compute only (``--data_loader_config synthetic``), once per ``--amp_modes`` mode: samples/s;
 * ``e2e``: end to end with the native loader (8 workers) on ``--data_path``, in the mode of the highest
@@ -25,7 +26,6 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
   fp8 runs' ratio to bf16_pure (the 1.3x goal of round 5) and each run's train loss after 16 steps (lower is
   better: speed must not hide a worse loss, nor a divergence, as fp8 attention's at step 9 before its keys were
   centred);
-* ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind);
 * ``tp``: on 2 GPUs, ``mp`` with DDP and with tp 2 (the variants of ``benchmarks/multi_gpu.py --suite tp
   --gpus_max 2``, run by its runner): both samples/s and tp 2's share of DDP's per-GPU rate (the tensor-parallel
   overlap of docs/speed.md). With fewer GPUs it is skipped, and says so; so are the next three.
@@ -40,7 +40,9 @@ The measurements (``--only`` picks some), each a ``train.py`` run of two epochs 
   precision of the highest ceiling, local batch that of one GPU, ``--bucket_cap_mb 200``: samples/s and its
   share of n x the one-GPU ceiling; then the ceiling run on each of the n GPUs at the same time, one process a
   GPU: the slowest over the fastest (the GPUs' spread, which moves the share of n x one GPU's ceiling by as much)
-  and DDP's share of their sum (what DDP itself loses, each GPU at its own pace and the host shared alike).
+  and DDP's share of their sum (what DDP itself loses, each GPU at its own pace and the host shared alike);
+* ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind). It runs
+  last: on H200s the bf16 ceiling run right after it was 13-15 % slow, twice (docs/speed.md, round 5r).
 
 Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``, ``fp8_zero3``) a failed run
 is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The
@@ -56,9 +58,9 @@ script on the same kind of GPU: a change for the worse of more than ``--toleranc
 also need to grow by more than ``STALL_SLACK_S``) is a regression. Prints a table and what regressed,
 writes JSON (``--out``; copy it to the reference path to make it the next reference), and exits with
 status 4 when something regressed. A failed run is reported and the other measurements go on; the script
-then exits 2 with an ``error:`` line naming it. One run can be slow on one machine (docs/speed.md, round 5r: a bf16
-ceiling 15 % low, normal on the next two machines): measure a regression again, on another machine where you can,
-before looking for its cause in the code. Arguments after ``--`` go to every run.
+then exits 2 with an ``error:`` line naming it. Measure a flagged regression again before looking for its
+cause in the code, and run ``--only checkpoint`` after the others when you run them one by one. Arguments
+after ``--`` go to every run.
 
 The JSON is rewritten (atomically) after each measurement, so a device call's time limit loses only the
 measurement under way: SIGTERM (``timeout``'s), SIGUSR1 or Ctrl-C stops the script at once, the run in flight
@@ -89,8 +91,9 @@ from benchmarks.common import ROOT, Results, kill_running, run_variant, table  #
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 from utils.core.signals import StopOnSignal  # noqa: E402
 
-MEASUREMENTS = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "tp", "tp_async", "cp", "fp8_zero3",
-                "scaling")
+# the order they run in: the checkpoint stall last (the module docstring says why)
+MEASUREMENTS = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "tp", "tp_async", "cp", "fp8_zero3", "scaling",
+                "checkpoint")
 # tp, tp_async and cp run multi_gpu.py's synthetic batches
 NEEDS_DATA = ("ceiling", "e2e", "fp8", "modes", "fp8_vit2b", "checkpoint", "fp8_zero3", "scaling")
 TP_GPUS = 2

@@ -632,8 +632,9 @@ def test_check_stopped_during_the_ceilings_at_once_kills_every_one(tiny_data, tm
 
 
 def test_check_resume_runs_only_what_did_not_finish(tiny_data, tmp_path):
-    """--resume an output that a stop cut short (during scaling) and where a run failed (vit_2b fp8): only those two
-    run again; the finished runs and the checkpoint rows are kept, marked, and give the metrics of one whole run."""
+    """--resume an output that a stop cut short (during scaling, before the checkpoint stall, which runs last) and
+    where a run failed (vit_2b fp8): only those run again; the finished runs are kept, marked, and give the metrics
+    of one whole run. Resuming the finished output runs nothing and keeps the checkpoint rows too."""
     from benchmarks.check import main
     speeds = {"ceiling_bf16": 100.0, "ceiling_bf16_pure": 120.0, "fp8_vit2b_bf16_pure": 7.0, "fp8_vit2b_fp8": 8.4,
               "fp8_vit2b_fp8_rowwise": 9.1, "scaling_2gpu": 230.0, "ceiling_bf16_pure_gpu0": 119.0,
@@ -643,6 +644,7 @@ def test_check_resume_runs_only_what_did_not_finish(tiny_data, tmp_path):
             "ceiling", "fp8_vit2b", "checkpoint", "scaling", "--", "--enable_jit", "false"]
     whole = tmp_path / "whole.json"
     main([*argv[:-3], "--out", str(whole), *argv[-3:]], run=run, checkpoint=checkpoint, gpus=2)
+    assert calls[-1][0] == "checkpoint"  # after every train.py run: the next run after it was slow (round 5r)
 
     def cut_short(name, args, expdir, **launch):
         if name == "scaling_2gpu":
@@ -651,20 +653,30 @@ def test_check_resume_runs_only_what_did_not_finish(tiny_data, tmp_path):
     stopped, resumed = tmp_path / "stopped.json", tmp_path / "resumed.json"
     with pytest.raises(KeyboardInterrupt):
         main([*argv[:-3], "--out", str(stopped), *argv[-3:]], run=cut_short, checkpoint=checkpoint, gpus=2)
-    assert json.loads(stopped.read_text())["unfinished"] == ["scaling"]
+    assert json.loads(stopped.read_text())["unfinished"] == ["scaling", "checkpoint"]
     calls.clear()
     main([*argv[:-3], "--out", str(resumed), "--resume", str(stopped), *argv[-3:]], run=run, checkpoint=checkpoint,
          gpus=2)
     assert [c[0] for c in calls[:2]] == ["fp8_vit2b_fp8", "scaling_2gpu"]
-    assert sorted(c[0] for c in calls[2:]) == ["ceiling_bf16_pure_gpu0", "ceiling_bf16_pure_gpu1"]
+    assert sorted(c[0] for c in calls[2:4]) == ["ceiling_bf16_pure_gpu0", "ceiling_bf16_pure_gpu1"]
+    assert [c[0] for c in calls[4:]] == ["checkpoint"]
     saved = json.loads(resumed.read_text())
     assert saved["metrics"] == json.loads(whole.read_text())["metrics"]
     assert saved["metrics"]["vit_2b fp8 / bf16_pure"] == pytest.approx(1.2)
     assert saved["unfinished"] == [] and saved["failed"] == []
     kept = [r.get("variant", r.get("what")) for r in saved["results"] if r.get("kept_from") == str(stopped)]
-    assert kept == ["ceiling_bf16", "ceiling_bf16_pure", "fp8_vit2b_bf16_pure", "fp8_vit2b_fp8_rowwise",
-                    "sharded save, sync, with checksums (again)", "sharded save, async (again)", "sharded load"]
+    assert kept == ["ceiling_bf16", "ceiling_bf16_pure", "fp8_vit2b_bf16_pure", "fp8_vit2b_fp8_rowwise"]
     assert [r["measurement"] for r in saved["results"] if r.get("what")] == ["checkpoint"] * 3
+
+    calls.clear()
+    again = tmp_path / "again.json"
+    main([*argv[:-3], "--out", str(again), "--resume", str(resumed), *argv[-3:]], run=run, checkpoint=checkpoint,
+         gpus=2)
+    assert calls == []
+    saved_again = json.loads(again.read_text())
+    assert saved_again["metrics"] == saved["metrics"]
+    assert [r["what"] for r in saved_again["results"] if r.get("what") and r.get("kept_from") == str(resumed)] == [
+        "sharded save, sync, with checksums (again)", "sharded save, async (again)", "sharded load"]
 
 
 def test_check_resume_refuses_another_device_or_other_settings_before_any_run(tiny_data, tmp_path):
