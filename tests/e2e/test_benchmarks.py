@@ -52,6 +52,22 @@ def test_checkpoint_benchmark_measures_every_kind_of_save(tiny_data, tmp_path):
     assert "sharded load, with checksums" in outputs[0][0]  # the table, on rank 0
 
 
+def test_gc_pauses_times_full_collections_with_and_without_the_frozen_heap(tiny_data, tmp_path, capsys):
+    from benchmarks.gc_pauses import main
+    out = tmp_path / "gc.json"
+    main(["--runs", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out), "--", "--config", "tiny",
+          "--data_path", str(tiny_data), "--num_iters", "4", "--limit_nsamples", "16", "--log_every", "1000"])
+    rows = {row["gc_freeze"]: row for row in json.loads(out.read_text())["results"]}
+    off, on = rows["false"], rows["true"]
+    assert off["frozen_objects"] == 0 and on["frozen_objects"] > 100_000  # torch's modules and the model, at least
+    # with the frozen heap: a collection at the end of step 1 and one at the start of epoch 2, outside any step
+    assert on["full_collections"] >= 2 and on["collections_after_step_1"] >= 1
+    assert on["collections_after_step_1"] >= on["collections_in_later_steps"] + 1
+    for row in (off, on):
+        assert row["samples_per_s"] > 0 and 0 < row["step_ms_median"] <= row["step_ms_longest"]
+    assert "in a later step" in capsys.readouterr().out
+
+
 def parity_run(mode: str, seed: int, valid: float, rmse: dict, samples_per_s: float) -> dict:
     """A ``run_variant`` row of precision_parity (two epochs of 4 steps), as the benchmark records it."""
     curve = [{"iteration": 4, "loss/train": 2 * valid, "loss/valid": valid + 0.1},
@@ -223,7 +239,7 @@ def fake_check_runs(speeds: dict[str, float], stalls: tuple[float, float]):
 def test_check_compares_with_the_reference_and_names_what_regressed(tiny_data, tmp_path, capsys):
     from benchmarks.check import main
     calls, run, checkpoint = fake_check_runs({"ceiling_bf16": 100.0, "ceiling_bf16_pure": 110.0,
-                                              "e2e_bf16_pure": 105.0, "fp8": 90.0}, (0.5, 0.1))
+                                              "e2e_bf16_pure": 105.0, "fp8": 90.0}, (0.5, 0.2))
     reference = tmp_path / "cpu_check.json"
     reference.write_text(json.dumps({"device": "cpu", "metrics": {
         "ceiling bf16 samples/s": 101.0, "ceiling bf16_pure samples/s": 120.0, "fp8 / best bf16 ceiling": 0.8,
@@ -242,7 +258,7 @@ def test_check_compares_with_the_reference_and_names_what_regressed(tiny_data, t
     assert verdicts == {"ceiling bf16 samples/s": "ok", "ceiling bf16_pure samples/s": "REGRESSED",
                         "end to end bf16_pure samples/s": "new", "end to end bf16_pure / ceiling": "new",
                         "fp8 samples/s": "new", "fp8 / best bf16 ceiling": "ok",
-                        "sync save stall s": "REGRESSED", "async save stall s": "ok"}  # +0.02 s: within the slack
+                        "sync save stall s": "REGRESSED", "async save stall s": "ok"}  # +0.12 s: within the slack
     assert saved["metrics"]["end to end bf16_pure / ceiling"] == pytest.approx(105 / 110)
     assert saved["metrics"]["fp8 / best bf16 ceiling"] == pytest.approx(90 / 110)
     assert saved["device"] == "cpu" and len(saved["results"]) == 4 + 3

@@ -3,6 +3,7 @@ the NaN check agree with a single process."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -64,6 +65,18 @@ def test_after_step_hook_runs_once_per_optimizer_step_after_adam(tmp_path):
     x = torch.randn(2, 4, 32, 64)
     step(iter([(x, x[:, None], torch.arange(2))] * 2))
     assert seen == [len(list(step.model.parameters()))]
+
+
+@pytest.mark.parametrize("gc_freeze", ["true", "false"])
+def test_python_garbage_is_frozen_after_the_first_step_and_at_each_later_epoch(tiny_data, tmp_path, monkeypatch,
+                                                                              gc_freeze):
+    freeze, frozen = gc.freeze, []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True) or freeze())
+    gc.unfreeze()
+    # 3 epochs of 2 steps: after step 1, at the starts of epochs 2 and 3
+    train_checkpoint(tiny_params(tiny_data, tmp_path, num_iters=6, limit_nsamples=16, gc_freeze=gc_freeze))
+    assert len(frozen) == (3 if gc_freeze == "true" else 0)
+    assert gc.get_freeze_count() == 0  # close unfroze
 
 
 DDP_STEPS = {"num_iters": 5, "global_batch_size": 8}

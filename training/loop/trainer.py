@@ -5,6 +5,8 @@ from outside (``distributed/parallelize.py``): the loop only sees a model, an op
 Everything else is a component with the same hooks (``utils/core/component.py``), called in the order
 of :attr:`Trainer.components`:
 
+* :class:`~training.loop.garbage.FrozenHeap`: Python's garbage collected and the survivors frozen after the first
+  step and at each later epoch's start;
 * :class:`~training.monitor.profiling.ProfilerWindow`: the Nsight capture window;
 * :class:`~training.monitor.memory_profile.MemoryProfiler`: the ``--memory_profile`` window;
 * :class:`~training.monitor.memory.MemoryTracker`: peaks, retries and OOMs of each epoch;
@@ -42,6 +44,7 @@ from networks.model_file import package_meta, read_init_weights
 from training.evaluation.evaluator import Evaluator, nonfinite_samples
 from training.evaluation.scoring import lead_hours
 from training.loop.ensemble import validation_members
+from training.loop.garbage import FrozenHeap
 from training.loop.rollout import max_rollout_steps, rollout_steps_at
 from training.loop.run_dir import RunDir, open_run_dir, run_record
 from training.loop.state import TrainState
@@ -221,9 +224,10 @@ class Trainer:
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, world, settle=self.settle,
                                             export_meta=package_meta(cfg, self.data))
-        self.components: list[Component] = [self.profiler, self.memory_profile, self.memory, self.evaluator,
-                                            *(extra(self.run_dir) if extra else []), self.reporter, self.checkpoint,
-                                            self.oom, self.data, run]
+        # FrozenHeap first: its close unfreezes before the loaders' close collects their cyclic iterators
+        self.components: list[Component] = [FrozenHeap(cfg.precision.gc_freeze), self.profiler, self.memory_profile,
+                                            self.memory, self.evaluator, *(extra(self.run_dir) if extra else []),
+                                            self.reporter, self.checkpoint, self.oom, self.data, run]
         self._resume(run)
         for component in self.components:
             component.start(self.state)

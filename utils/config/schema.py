@@ -150,6 +150,9 @@ class PrecisionConfig:
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = key(
         "default", "torch.compile mode (needs enable_jit)")
     compile_pdl: bool = key(False, "compiled kernels use Programmatic Dependent Launch (Hopper+)")
+    gc_freeze: bool = key(True, "after the first step and at each later epoch's start, collect Python's garbage and "
+                          "freeze the survivors (gc.freeze): automatic full collections skip the compiled graphs' "
+                          "objects (at most 0.06 s instead of up to 0.74 s each on an H200's host)")
     attention_backend: Literal["auto", "cudnn", "cudnn_packed", "flash", "efficient", "math"] = key(
         "auto", "scaled_dot_product_attention kernel; cudnn/flash need a GPU and bf16/fp16; cudnn_packed: cuDNN "
                 "graphs on the packed QKV, no q/k/v gradient copies (GPU, bf16/fp16, the cudnn extra)")

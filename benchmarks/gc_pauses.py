@@ -1,0 +1,145 @@
+"""How long Python's full garbage collections stop a training run, with ``--gc_freeze`` off and on
+(docs/speed.md, round 5s).
+
+    python benchmarks/gc_pauses.py --runs 2 --out benchmarks/results/h200_gc_pauses.json -- --config short_opt \\
+        --data_path /tmp/full --data_loader_config synthetic --amp_mode bf16 --num_iters 64 --valid_every 2
+
+Each run is ``train.py``'s training in a process of its own, ``--runs`` times with ``--gc_freeze false`` and with
+``true``, alternating; each compiles with empty Inductor and Triton caches of its own unless ``--warm_caches``
+(a cold compile leaves the most objects behind, as in the first runs of ``benchmarks/check.py`` on a fresh
+machine). A component of the run times every collection of generation 2 (``gc.callbacks``) and notes when each
+step starts and ends. Per run: the last epoch's samples/s; the full collections and the longest; those that
+started after the first step (which compiles: its own collections are the compiler's) and the longest; those
+inside a later step (where they stop training: on several ranks, every rank waits for the slowest) and the
+longest; the median and the longest step of the last epoch, in ms; the objects frozen at the last epoch's end.
+Arguments after ``--`` go to the runs as ``train.py`` options.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, Results, read_json, table  # noqa: E402
+from utils.core.component import Component  # noqa: E402
+from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+
+COLUMNS = [("gc_freeze", "gc_freeze", "s"), ("run", "run", "d"), ("samples/s", "samples_per_s", ".1f"),
+           ("full collections", "full_collections", "d"), ("longest s", "longest_collection_s", ".3f"),
+           ("after step 1", "collections_after_step_1", "d"), ("longest s", "longest_after_step_1_s", ".3f"),
+           ("in a later step", "collections_in_later_steps", "d"), ("longest s", "longest_in_a_later_step_s", ".3f"),
+           ("step ms median", "step_ms_median", ".1f"), ("step ms longest", "step_ms_longest", ".1f"),
+           ("frozen objects", "frozen_objects", "d")]
+
+
+class CollectionTimer(Component):
+    """Times each full collection (start, seconds) from its construction on, and notes each step's start and end
+    (``time.perf_counter``) with its epoch, and the objects frozen at each epoch's end."""
+
+    def __init__(self):
+        self.collections: list[tuple[float, float]] = []
+        self.steps: list[tuple[int, float, float]] = []  # (epoch, start, end)
+        self.frozen = 0
+        self._started = self._step_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections.append((self._started, time.perf_counter() - self._started))
+
+    def step_start(self, state) -> None:
+        self._step_start = time.perf_counter()
+
+    def step_end(self, state) -> None:
+        self.steps.append((state.epoch, self._step_start, time.perf_counter()))
+
+    def epoch_end(self, state, record: dict) -> None:
+        self.frozen = gc.get_freeze_count()  # it walks every frozen object: not in a step (33 ms on a CPU)
+
+    def close(self, error: BaseException | None) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+def summary(timer: CollectionTimer, record: dict) -> dict:
+    """One run's row (see the module docstring) from its timer and its last epoch's record."""
+    first_end = timer.steps[0][2]
+    after = [seconds for start, seconds in timer.collections if start > first_end]
+    inside = [seconds for start, seconds in timer.collections
+              if any(begin <= start <= end for _, begin, end in timer.steps[1:])]
+    last = [end - begin for epoch, begin, end in timer.steps if epoch == timer.steps[-1][0]]
+    return {"samples_per_s": record["samples_per_s"], "full_collections": len(timer.collections),
+            "longest_collection_s": max((s for _, s in timer.collections), default=0.0),
+            "collections_after_step_1": len(after), "longest_after_step_1_s": max(after, default=0.0),
+            "collections_in_later_steps": len(inside), "longest_in_a_later_step_s": max(inside, default=0.0),
+            "step_ms_median": 1e3 * statistics.median(last), "step_ms_longest": 1e3 * max(last),
+            "frozen_objects": timer.frozen}
+
+
+def child(out: Path, argv: list[str]) -> None:
+    """One run, as ``train.py argv`` would train, with a :class:`CollectionTimer`; its row written to ``out``."""
+    from distributed.launch import detect_launch
+    from distributed.world import distributed_session
+    from training.loop.trainer import run
+    from utils.config.command_line import cli_config
+
+    cfg = cli_config(argv, "tiny", "benchmarks/gc_pauses.py")
+    timer = CollectionTimer()
+    with distributed_session(cfg.parallel, detect_launch()) as world:
+        record = run(cfg, world, extra=lambda run_dir: [timer])
+    out.write_text(json.dumps(summary(timer, record)))
+
+
+def one_run(args, train_args: list[str], setting: str, index: int) -> dict:
+    """A :func:`child` process with ``--gc_freeze setting``; its row."""
+    name = f"gc_freeze_{setting}_{index}"
+    folder = Path(args.expdir).absolute() / name
+    env = dict(os.environ) if args.warm_caches else dict(
+        os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor"), TRITON_CACHE_DIR=str(folder / "triton"))
+    cmd = [sys.executable, __file__, "--child", str(folder / "row.json"), *train_args, "--gc_freeze", setting,
+           "--expdir", str(folder / "runs"), "--save_checkpoint", "false"]
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"the {name} run failed (exit status {proc.returncode}): "
+                        f"{' '.join((proc.stdout + proc.stderr).split())[-300:]}")
+    return {"gc_freeze": setting, "run": index, **read_json(folder / "row.json", "run the benchmark again")}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--child"]:
+        child(Path(argv[1]), argv[2:])
+        return 0
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = ArgumentParser(description=__doc__, usage="%(prog)s [options] [-- train.py options]")
+    ap.add_argument("--runs", type=int, default=2, help="runs of each setting")
+    ap.add_argument("--warm_caches", action="store_true", help="share this machine's compile caches between runs")
+    ap.add_argument("--expdir", default="/tmp/gc_pauses", help="the runs' folders")
+    ap.add_argument("--out", default="benchmarks/results/gc_pauses.json")
+    args, train_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    if args.runs < 1:
+        raise UserError(f"--runs {args.runs}: give 1 or more")
+    from utils.config.command_line import cli_config
+    cli_config([*train_args, "--gc_freeze", "true"], "tiny", "benchmarks/gc_pauses.py")  # bad options: before any run
+    results = Results(Path(args.out), train_args=train_args, warm_caches=args.warm_caches)
+    for index in range(args.runs):
+        for setting in ("false", "true"):
+            results.append(one_run(args, train_args, setting, index))
+    print(table(results, COLUMNS))
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,84 @@
+"""FrozenHeap: the objects alive after the first step and at each later epoch's start are frozen out of Python's
+automatic collections; garbage made since is still collected, garbage among the frozen waits one epoch."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from types import SimpleNamespace
+
+import pytest
+
+from training.loop.garbage import FrozenHeap
+
+
+class Node:
+    """An object that can sit in a reference cycle (only the cyclic collector frees it)."""
+
+    def __init__(self):
+        self.me = self
+
+
+@pytest.fixture(autouse=True)
+def unfrozen():
+    gc.unfreeze()  # an in-process run that was never closed may have left objects frozen
+    yield
+    gc.unfreeze()
+
+
+def cycle() -> weakref.ref:
+    """A reference cycle no name holds: garbage only the collector can free; a weak reference to it."""
+    return weakref.ref(Node())
+
+
+def test_first_step_freezes_and_later_garbage_is_still_collected():
+    heap, state = FrozenHeap(True), SimpleNamespace(step=0)
+    heap.start(state)
+    heap.epoch_start(state)  # nothing compiled before the first step: nothing to freeze yet
+    assert gc.get_freeze_count() == 0
+    alive = Node()
+    state.step = 1
+    heap.step_end(state)
+    assert gc.get_freeze_count() > 0 and not any(obj is alive for obj in gc.get_objects())  # frozen
+    later = cycle()
+    gc.collect()
+    assert later() is None  # made after the freeze: collected as before
+
+
+def test_frozen_garbage_is_freed_at_the_next_epoch_start_and_close_unfreezes():
+    heap, state = FrozenHeap(True), SimpleNamespace(step=0)
+    heap.start(state)
+    held = Node()
+    state.step = 1
+    heap.step_end(state)
+    ref = weakref.ref(held)
+    del held  # garbage now, but frozen: no collection sees it
+    gc.collect()
+    assert ref() is not None
+    state.step = 8
+    heap.step_end(state)  # not the first step: nothing happens
+    gc.collect()
+    assert ref() is not None
+    heap.epoch_start(state)
+    assert ref() is None and gc.get_freeze_count() > 0
+    heap.close(None)
+    assert gc.get_freeze_count() == 0
+
+
+def test_resumed_run_freezes_after_its_own_first_step():
+    heap, state = FrozenHeap(True), SimpleNamespace(step=100)
+    heap.start(state)
+    heap.epoch_start(state)  # the resumed epoch: its first step is still to run
+    heap.step_end(SimpleNamespace(step=1))
+    assert gc.get_freeze_count() == 0
+    heap.step_end(SimpleNamespace(step=101))
+    assert gc.get_freeze_count() > 0
+
+
+def test_disabled_leaves_the_collector_alone():
+    heap, state = FrozenHeap(False), SimpleNamespace(step=0)
+    heap.start(state)
+    state.step = 1
+    heap.step_end(state)
+    heap.epoch_start(state)
+    assert gc.get_freeze_count() == 0
