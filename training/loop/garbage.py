@@ -3,52 +3,63 @@
 Compiling leaves about half a million long-lived Python objects behind (Dynamo's and Inductor's graphs, guards
 and generated code for ``short_opt``). Each automatic full collection walks all of them: on an H200's host one
 took 0.53-0.74 s after the compile, and one step stopped about that long (0.68 s instead of 0.09 s) made a timed
-epoch of 32 steps 17 % slower (docs/speed.md, round 5s). :class:`FrozenHeap` collects once at moments of its choosing and freezes what
-survives (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze): the automatic collections go on,
-but only over the objects made since, and took 0.00-0.06 s.
+epoch of 32 steps 17 % slower (docs/speed.md, round 5s). :class:`FrozenHeap` collects once at moments of its
+choosing and freezes what survives (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze): the
+automatic collections go on, but only over the objects made since, and took 0.00-0.06 s.
 """
 
 from __future__ import annotations
 
 import gc
+import math
+import time
 from typing import Any
 
 from utils.core.component import Component
 
 
+FULL_EVERY_S = 600.0  # a full pass over the frozen objects too, at most this often: their garbage waits no longer
+
+
 class FrozenHeap(Component):
     """Collect, then freeze the survivors, after the first optimizer step this process runs (the training step is
     compiled by then) and at the start of every later epoch (the validation's graphs and any recompilation are
-    made by then). Each time, what was frozen before is unfrozen first, so garbage among it (a reference cycle
-    that was alive at the last freeze) is freed at most one epoch late. Every rank acts at the same steps, so
-    their pauses coincide instead of each stalling the others' collectives. ``close`` unfreezes, before the
-    components after it (the loaders, whose workers end when their cyclic iterators are collected) close.
+    made by then). The first collection, and one at an epoch's start when ``full_every_s`` seconds have passed
+    since the last such, unfreeze what was frozen before and walk everything: garbage among it (a reference cycle
+    that was alive at a freeze) waits no longer than that. The others walk only what was made since the last
+    freeze, so short epochs stay cheap. ``close`` unfreezes, before the components after it (the loaders, whose
+    workers end when their cyclic iterators are collected) close. Every rank collects at the same steps, so their
+    pauses coincide instead of each stalling the others' collectives (each rank's own clock picks the full ones).
 
     ``enabled``: ``--gc_freeze``; False leaves Python's collector as it is.
     """
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, full_every_s: float = FULL_EVERY_S):
+        self.enabled, self.full_every_s = enabled, full_every_s
         self.first_step = 1  # the first step this process runs (after a resume: the one after the resumed step)
+        self.last_full = -math.inf  # time.monotonic() of the last full pass
 
     def start(self, state: Any) -> None:
         self.first_step = state.step + 1
 
     def step_end(self, state: Any) -> None:
         if state.step == self.first_step:
-            self.refreeze()
+            self.refreeze(full=True)
 
     def epoch_start(self, state: Any) -> None:
         if state.step >= self.first_step:
-            self.refreeze()
+            self.refreeze(full=time.monotonic() - self.last_full >= self.full_every_s)
 
     def close(self, error: BaseException | None) -> None:
         if self.enabled:
             gc.unfreeze()
 
-    def refreeze(self) -> None:
-        """Unfreeze, collect every generation, freeze what survives (when enabled)."""
-        if self.enabled:
+    def refreeze(self, full: bool) -> None:
+        """Collect every generation (``full``: the frozen objects too) and freeze what survives (when enabled)."""
+        if not self.enabled:
+            return
+        if full:
             gc.unfreeze()
-            gc.collect()
-            gc.freeze()
+            self.last_full = time.monotonic()
+        gc.collect()
+        gc.freeze()
