@@ -43,8 +43,8 @@ The measurements (``--only`` picks some), in the order they run, each a ``train.
   and DDP's share of their sum (what DDP itself loses, each GPU at its own pace and the host shared alike);
 * ``checkpoint``: the training stall of a sync and of an async sharded save (the second of each kind). It runs
   last: on H200s the bf16 ceiling run right after it was 13-15 % slow, twice (docs/speed.md, round 5r). Round 5s
-  traced that to one step stopped 0.68 s by a full collection of Python's garbage, which ``--gc_freeze`` (on by
-  default) now keeps short.
+  traced that to one step stopped for 0.68 s, the length of a full collection of Python's garbage after a compile,
+  which ``--gc_freeze`` (on by default) now keeps short.
 
 Within a measurement of several runs (``modes``, ``fp8_vit2b``, ``tp_async``, ``cp``, ``fp8_zero3``) a failed run
 is named and the runs that do not need it go on (the baselines, bf16_pure and DDP, are needed by the others). The

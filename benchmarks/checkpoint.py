@@ -2,7 +2,8 @@
 training stall each kind of save causes, against the single-file full-model gather to rank 0 that
 the run wrote every epoch before sharded checkpoints. As in training, the host buffers that saves
 copy the state into are allocated in the background while steps run (``ShardedCheckpoints.prepare``),
-before the first save.
+before the first save. After three warm-up steps Python's garbage is collected and frozen, as training does
+after its first step (``--gc_freeze``).
 
     torchrun --nproc_per_node 2 benchmarks/checkpoint.py --config vit_2b --fsdp zero3 --amp_mode bf16 \\
         --local_batch_size 8 --data_loader_config synthetic --dir /dev/shm/ckpt \\
@@ -105,6 +106,7 @@ def measure(trainer: Trainer, root: Path, n_steps: int, async_steps: int, kinds=
     stepper = Stepper(trainer)
     for _ in range(3):  # warm-up
         stepper.step()
+    trainer.frozen_heap.refreeze(full=True)  # as training does after its first step (--gc_freeze)
     step_s = statistics.median(slowest(stepper.step(), trainer) for _ in range(n_steps))
     rows = [{"what": "optimizer step (median)", "seconds": step_s}]
 

@@ -5,7 +5,8 @@
 
 Every option but those below is a ``train.py`` option. Per precision mode (``--amp_modes``; default the
 config's own) the trainer (``training/loop/trainer.py``) is built, ``--warmup_steps`` steps run (compilation
-happens there), ``--steps`` steps are timed without and then with the profiler, and the table of the
+happens there), Python's garbage is collected and frozen as training does after its first step (``--gc_freeze``;
+``frozen_objects`` in the JSON), ``--steps`` steps are timed without and then with the profiler, and the table of the
 ``--rows`` ops with the most device time (CPU time on the CPU) is printed. The timed steps' peak memory is
 recorded too (``memory``: the GiB of ``training/monitor/memory.py``'s ``MemoryTracker``, on CUDA peak allocated
 and reserved and the cudaMalloc retries, on the CPU peak RSS), so a trade of memory for speed (activation
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 import tempfile
 import time
@@ -101,6 +103,7 @@ def profile_mode(cfg, world, args, name: str) -> dict:
             return (time.perf_counter() - t0) / n * 1e3
 
         steps(args.warmup_steps)
+        trainer.frozen_heap.refreeze(full=True)  # as training does after its first step (--gc_freeze)
         tracker = MemoryTracker(world.device)
         tracker.start_epoch()  # peaks of the timed steps, not of compilation
         if not cuda:
@@ -110,6 +113,7 @@ def profile_mode(cfg, world, args, name: str) -> dict:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             profiled_ms = steps(args.steps)
+        frozen = gc.get_freeze_count()  # before close unfreezes them
     finally:
         trainer.close()
     mode, samples = cfg.precision.amp_mode, trainer.global_bs
@@ -123,7 +127,7 @@ def profile_mode(cfg, world, args, name: str) -> dict:
                              max_name_column_width=70))
     record = {"config": cfg.name, "amp_mode": mode, "global_batch": samples, "step_ms": plain_ms,
               "samples_per_s": samples / plain_ms * 1e3, "profiled_step_ms": profiled_ms, "steps": args.steps,
-              "memory": memory, "ops": op_rows(averages, cuda)}
+              "memory": memory, "frozen_objects": frozen, "ops": op_rows(averages, cuda)}
     trace = Path(args.out) / f"{name}.trace.json" if args.out and args.trace else None
     if trace:
         prof.export_chrome_trace(str(trace))

@@ -311,6 +311,7 @@ def test_profile_step_saves_each_mode_on_cpu(tmp_path):
         saved = json.loads((tmp_path / f"profile_tiny_{mode}.json").read_text())
         assert saved["amp_mode"] == mode and saved["device"] == "cpu" and saved["step_ms"] > 0
         assert 0 < saved["memory"]["peak_rss"] < 64  # GiB, of the timed steps
+        assert saved["frozen_objects"] > 100_000  # timed after the warm-up's garbage was frozen, as training does
         assert "gpu_time_ms" not in saved and "collectives" not in saved  # no GPU activity to split
         assert "GPU time a step" not in proc.stdout
         names = [op["name"] for op in saved["ops"]]

@@ -224,8 +224,8 @@ class Trainer:
                                             {"scheduler": self.scheduler, "scaler": self.scaler,
                                              "train_state": self.state}, world, settle=self.settle,
                                             export_meta=package_meta(cfg, self.data))
-        # FrozenHeap first: its close unfreezes before the loaders' close collects their cyclic iterators
-        self.components: list[Component] = [FrozenHeap(cfg.precision.gc_freeze), self.profiler, self.memory_profile,
+        self.frozen_heap = FrozenHeap(cfg.precision.gc_freeze)  # first: it unfreezes before the loaders close
+        self.components: list[Component] = [self.frozen_heap, self.profiler, self.memory_profile,
                                             self.memory, self.evaluator, *(extra(self.run_dir) if extra else []),
                                             self.reporter, self.checkpoint, self.oom, self.data, run]
         self._resume(run)
