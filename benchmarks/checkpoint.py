@@ -106,7 +106,7 @@ def measure(trainer: Trainer, root: Path, n_steps: int, async_steps: int, kinds=
     stepper = Stepper(trainer)
     for _ in range(3):  # warm-up
         stepper.step()
-    trainer.frozen_heap.refreeze(full=True)  # as training does after its first step (--gc_freeze)
+    trainer.frozen_heap.refreeze()  # as training does after its first step (--gc_freeze)
     step_s = statistics.median(slowest(stepper.step(), trainer) for _ in range(n_steps))
     rows = [{"what": "optimizer step (median)", "seconds": step_s}]
 

@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,12 +106,13 @@ def one_run(args, train_args: list[str], setting: str, index: int) -> dict:
     """A :func:`child` process with ``--gc_freeze setting``; its row."""
     name = f"gc_freeze_{setting}_{index}"
     folder = Path(args.expdir).absolute() / name
-    env = dict(os.environ) if args.warm_caches else dict(
-        os.environ, TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor"), TRITON_CACHE_DIR=str(folder / "triton"))
+    folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--child", str(folder / "row.json"), *train_args, "--gc_freeze", setting,
            "--expdir", str(folder / "runs"), "--save_checkpoint", "false"]
-    folder.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix="caches") as caches:  # empty, and removed after the run
+        env = dict(os.environ) if args.warm_caches else dict(
+            os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise UserError(f"the {name} run failed (exit status {proc.returncode}): "
                         f"{' '.join((proc.stdout + proc.stderr).split())[-300:]}")

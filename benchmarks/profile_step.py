@@ -103,7 +103,7 @@ def profile_mode(cfg, world, args, name: str) -> dict:
             return (time.perf_counter() - t0) / n * 1e3
 
         steps(args.warmup_steps)
-        trainer.frozen_heap.refreeze(full=True)  # as training does after its first step (--gc_freeze)
+        trainer.frozen_heap.refreeze()  # as training does after its first step (--gc_freeze)
         tracker = MemoryTracker(world.device)
         tracker.start_epoch()  # peaks of the timed steps, not of compilation
         if not cuda:

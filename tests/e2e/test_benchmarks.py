@@ -60,8 +60,7 @@ def test_gc_pauses_times_full_collections_with_and_without_the_frozen_heap(tiny_
     rows = {row["gc_freeze"]: row for row in json.loads(out.read_text())["results"]}
     off, on = rows["false"], rows["true"]
     assert off["frozen_objects"] == 0 and on["frozen_objects"] > 100_000  # torch's modules and the model, at least
-    # with the frozen heap: a collection at the end of step 1 and one at the start of epoch 2, outside any step
-    assert on["full_collections"] >= 2 and on["collections_after_step_1"] >= 1
+    # with the frozen heap: a full collection at the start of epoch 2, outside any step (step 1's is a young one)
     assert on["collections_after_step_1"] >= on["collections_in_later_steps"] + 1
     for row in (off, on):
         assert row["samples_per_s"] > 0 and 0 < row["step_ms_median"] <= row["step_ms_longest"]

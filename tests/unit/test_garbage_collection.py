@@ -45,6 +45,20 @@ def test_first_step_freezes_and_later_garbage_is_still_collected():
     assert later() is None  # made after the freeze: collected as before
 
 
+def test_the_first_freeze_collects_only_the_young_generations():
+    heap, state = FrozenHeap(True), SimpleNamespace(step=0)
+    heap.start(state)
+    old = Node()
+    gc.collect()  # it survives a full collection: generation 2
+    ref = weakref.ref(old)
+    del old  # old garbage: a full collection would free it, a young one does not see it
+    state.step = 1
+    heap.step_end(state)
+    assert ref() is not None and not any(obj is ref() for obj in gc.get_objects())  # frozen, not walked
+    heap.refreeze(full=True)
+    assert ref() is None
+
+
 @pytest.mark.parametrize("full_every_s", [0.0, 3600.0])
 def test_frozen_garbage_waits_for_a_full_pass_and_close_unfreezes(full_every_s):
     heap, state = FrozenHeap(True, full_every_s), SimpleNamespace(step=0)

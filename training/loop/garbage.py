@@ -11,7 +11,6 @@ automatic collections go on, but only over the objects made since, and took 0.00
 from __future__ import annotations
 
 import gc
-import math
 import time
 from typing import Any
 
@@ -24,12 +23,15 @@ FULL_EVERY_S = 600.0  # a full pass over the frozen objects too, at most this of
 class FrozenHeap(Component):
     """Collect, then freeze the survivors, after the first optimizer step this process runs (the training step is
     compiled by then) and at the start of every later epoch (the validation's graphs and any recompilation are
-    made by then). The first collection, and one at an epoch's start when ``full_every_s`` seconds have passed
-    since the last such, unfreeze what was frozen before and walk everything: garbage among it (a reference cycle
-    that was alive at a freeze) waits no longer than that. The others walk only what was made since the last
-    freeze, so short epochs stay cheap. ``close`` unfreezes, before the components after it (the loaders, whose
-    workers end when their cyclic iterators are collected) close. Every rank collects at the same steps, so their
-    pauses coincide instead of each stalling the others' collectives (each rank's own clock picks the full ones).
+    made by then). The first time only the young generations (0 and 1) are collected: a full collection would walk
+    the whole heap that is about to be frozen, at about the cost of one automatic full collection. Later, every
+    generation is collected, which holds only what was made since the last freeze, except at the first epoch's
+    start ``full_every_s`` seconds after the first freeze or the last full pass: then what was frozen is unfrozen
+    and walked too. Garbage among the frozen objects (a reference cycle that was alive at a freeze, or was already
+    old at the first) waits no longer than that. ``close`` unfreezes, before the components after it (the
+    loaders, whose workers end when their cyclic iterators are collected) close. Every rank collects at the same
+    steps, so their pauses coincide instead of each stalling the others' collectives (each rank's own clock picks
+    the full passes).
 
     ``enabled``: ``--gc_freeze``; False leaves Python's collector as it is.
     """
@@ -37,29 +39,33 @@ class FrozenHeap(Component):
     def __init__(self, enabled: bool, full_every_s: float = FULL_EVERY_S):
         self.enabled, self.full_every_s = enabled, full_every_s
         self.first_step = 1  # the first step this process runs (after a resume: the one after the resumed step)
-        self.last_full = -math.inf  # time.monotonic() of the last full pass
+        self.last_full: float | None = None  # time.monotonic() of the first freeze or the last full pass
 
     def start(self, state: Any) -> None:
         self.first_step = state.step + 1
 
     def step_end(self, state: Any) -> None:
         if state.step == self.first_step:
-            self.refreeze(full=True)
+            self.refreeze()
 
     def epoch_start(self, state: Any) -> None:
-        if state.step >= self.first_step:
+        if state.step >= self.first_step and self.last_full is not None:
             self.refreeze(full=time.monotonic() - self.last_full >= self.full_every_s)
 
     def close(self, error: BaseException | None) -> None:
         if self.enabled:
             gc.unfreeze()
 
-    def refreeze(self, full: bool) -> None:
-        """Collect every generation (``full``: the frozen objects too) and freeze what survives (when enabled)."""
+    def refreeze(self, full: bool = False) -> None:
+        """Collect and freeze what survives (when enabled): the first time the young generations only, later every
+        generation, and with ``full`` the frozen objects too. Benchmarks that drive the trainer's steps
+        themselves call it after their warm-up, as the first step's end does here."""
         if not self.enabled:
             return
+        first = self.last_full is None
         if full:
             gc.unfreeze()
+        if first or full:
             self.last_full = time.monotonic()
-        gc.collect()
+        gc.collect(1 if first else 2)
         gc.freeze()
