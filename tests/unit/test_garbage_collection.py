@@ -94,6 +94,15 @@ def test_resumed_run_freezes_after_its_own_first_step():
     assert gc.get_freeze_count() > 0
 
 
+def test_a_full_pass_walks_everything_even_as_the_first_freeze():
+    old = Node()
+    gc.collect()
+    ref = weakref.ref(old)
+    del old
+    FrozenHeap(True).refreeze(full=True)
+    assert ref() is None and gc.get_freeze_count() > 0
+
+
 def test_disabled_leaves_the_collector_alone():
     heap, state = FrozenHeap(False), SimpleNamespace(step=0)
     heap.start(state)

@@ -67,5 +67,5 @@ class FrozenHeap(Component):
             gc.unfreeze()
         if first or full:
             self.last_full = time.monotonic()
-        gc.collect(1 if first else 2)
+        gc.collect(1 if first and not full else 2)
         gc.freeze()
