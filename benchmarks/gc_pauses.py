@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, Results, read_json, table  # noqa: E402
+from benchmarks.common import Results, read_json, run_variant, table  # noqa: E402
 from utils.core.component import Component  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 
@@ -103,19 +101,19 @@ def child(out: Path, argv: list[str]) -> None:
 
 
 def one_run(args, train_args: list[str], setting: str, index: int) -> dict:
-    """A :func:`child` process with ``--gc_freeze setting``; its row."""
+    """A :func:`child` process with ``--gc_freeze setting``, run as every benchmark's runs are (``run_variant``:
+    its own run directory, killed with a stopped benchmark); its row."""
     name = f"gc_freeze_{setting}_{index}"
     folder = Path(args.expdir).absolute() / name
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--child", str(folder / "row.json"), *train_args, "--gc_freeze", setting,
-           "--expdir", str(folder / "runs"), "--save_checkpoint", "false"]
     with tempfile.TemporaryDirectory(dir=folder, prefix="caches") as caches:  # empty, and removed after the run
-        env = dict(os.environ) if args.warm_caches else dict(
-            os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"the {name} run failed (exit status {proc.returncode}): "
-                        f"{' '.join((proc.stdout + proc.stderr).split())[-300:]}")
+        env = {} if args.warm_caches else {"TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
+                                           "TRITON_CACHE_DIR": f"{caches}/triton"}
+        result = run_variant(name, ["--child", str(folder / "row.json"), *train_args, "--gc_freeze", setting],
+                             folder / "runs", entry="benchmarks/gc_pauses.py", env=env)
+    if result["returncode"] != 0 or "samples_per_s" not in result:
+        raise UserError(f"the {name} run failed (exit status {result['returncode']}): "
+                        f"{' '.join(str(result.get('error', '')).split())[-300:]}")
     return {"gc_freeze": setting, "run": index, **read_json(folder / "row.json", "run the benchmark again")}
 
 
