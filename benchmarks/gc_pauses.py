@@ -1,5 +1,5 @@
 """How long Python's full garbage collections stop a training run, with ``--gc_freeze`` off and on
-(docs/speed.md, round 5s).
+(docs/speed.md, rounds 5s and 5t).
 
     python benchmarks/gc_pauses.py --runs 2 --out benchmarks/results/h200_gc_pauses.json -- --config short_opt \\
         --data_path /tmp/full --data_loader_config synthetic --amp_mode bf16 --num_iters 64 --valid_every 2
@@ -11,7 +11,10 @@ machine). A component of the run times every collection of generation 2 (``gc.ca
 step starts and ends. Per run: the last epoch's samples/s; the full collections and the longest; those that
 started after the first step (which compiles: its own collections are the compiler's) and the longest; those
 inside a later step (where they stop training: on several ranks, every rank waits for the slowest) and the
-longest; the median and the longest step of the last epoch, in ms; the objects frozen at the last epoch's end.
+longest; the median and the longest step of the last epoch, in ms; the objects frozen at the last epoch's end;
+and as the run closes, what one full collection of everything (unfrozen) frees while the trainer still holds its
+model: the objects, and the GPU memory they held (MiB: garbage that a freeze keeps until the next full pass keeps
+any CUDA tensors it refers to).
 Arguments after ``--`` go to the runs as ``train.py`` options.
 """
 
@@ -36,17 +39,32 @@ COLUMNS = [("gc_freeze", "gc_freeze", "s"), ("run", "run", "d"), ("samples/s", "
            ("after step 1", "collections_after_step_1", "d"), ("longest s", "longest_after_step_1_s", ".3f"),
            ("in a later step", "collections_in_later_steps", "d"), ("longest s", "longest_in_a_later_step_s", ".3f"),
            ("step ms median", "step_ms_median", ".1f"), ("step ms longest", "step_ms_longest", ".1f"),
-           ("frozen objects", "frozen_objects", "d")]
+           ("frozen objects", "frozen_objects", "d"), ("garbage at the end", "garbage_objects", "d"),
+           ("its GPU MiB", "garbage_gpu_mib", ".1f")]
+
+
+def garbage_held() -> dict:
+    """Unfreeze every object and collect all generations: the objects freed, and the CUDA memory they held
+    (``torch.cuda.memory_allocated`` before less after, MiB; 0 without CUDA)."""
+    import torch
+
+    allocated = torch.cuda.memory_allocated if torch.cuda.is_available() else (lambda: 0)
+    gc.unfreeze()
+    before = allocated()
+    objects = gc.collect()
+    return {"garbage_objects": objects, "garbage_gpu_mib": (before - allocated()) / 2**20}
 
 
 class CollectionTimer(Component):
     """Times each full collection (start, seconds) from its construction on, and notes each step's start and end
-    (``time.perf_counter``) with its epoch, and the objects frozen at each epoch's end."""
+    (``time.perf_counter``) with its epoch, the objects frozen at each epoch's end, and as it closes (after the
+    trainer's own components, before the trainer lets go of its model) the garbage left (:func:`garbage_held`)."""
 
     def __init__(self):
         self.collections: list[tuple[float, float]] = []
         self.steps: list[tuple[int, float, float]] = []  # (epoch, start, end)
         self.frozen = 0
+        self.garbage: dict = {}
         self._started = self._step_start = 0.0
         gc.callbacks.append(self._on_gc)
 
@@ -67,8 +85,9 @@ class CollectionTimer(Component):
     def epoch_end(self, state, record: dict) -> None:
         self.frozen = gc.get_freeze_count()  # it walks every frozen object: not in a step (33 ms on a CPU)
 
-    def close(self, error: BaseException | None) -> None:
+    def close(self, error: BaseException | None) -> None:  # after the trainer's own components
         gc.callbacks.remove(self._on_gc)
+        self.garbage = garbage_held()
 
 
 def summary(timer: CollectionTimer, record: dict) -> dict:
@@ -83,7 +102,7 @@ def summary(timer: CollectionTimer, record: dict) -> dict:
             "collections_after_step_1": len(after), "longest_after_step_1_s": max(after, default=0.0),
             "collections_in_later_steps": len(inside), "longest_in_a_later_step_s": max(inside, default=0.0),
             "step_ms_median": 1e3 * statistics.median(last), "step_ms_longest": 1e3 * max(last),
-            "frozen_objects": timer.frozen}
+            "frozen_objects": timer.frozen, **timer.garbage}
 
 
 def child(out: Path, argv: list[str]) -> None:

@@ -64,7 +64,23 @@ def test_gc_pauses_times_full_collections_with_and_without_the_frozen_heap(tiny_
     assert on["collections_after_step_1"] >= on["collections_in_later_steps"] + 1
     for row in (off, on):
         assert row["samples_per_s"] > 0 and 0 < row["step_ms_median"] <= row["step_ms_longest"]
+        assert row["garbage_objects"] >= 0 and row["garbage_gpu_mib"] == 0  # no CUDA here
     assert "in a later step" in capsys.readouterr().out
+
+
+def test_garbage_held_frees_frozen_garbage_too():
+    import gc
+
+    from benchmarks.gc_pauses import garbage_held
+    cycle = [None]
+    cycle[0] = cycle  # garbage only a full collection finds
+    del cycle
+    gc.freeze()
+    try:
+        assert garbage_held()["garbage_objects"] >= 1
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def parity_run(mode: str, seed: int, valid: float, rmse: dict, samples_per_s: float) -> dict:
