@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from training.loop import garbage
 from training.loop.garbage import FrozenHeap
 
 
@@ -59,10 +60,16 @@ def test_the_first_freeze_collects_only_the_young_generations():
     assert ref() is None
 
 
-@pytest.mark.parametrize("full_every_s", [0.0, 3600.0])
-def test_frozen_garbage_waits_for_a_full_pass_and_close_unfreezes(full_every_s):
-    heap, state = FrozenHeap(True, full_every_s), SimpleNamespace(step=0)
+def wall_clock(monkeypatch, seconds: float) -> None:
+    """Set the wall clock (``time.time``) that FrozenHeap reads."""
+    monkeypatch.setattr(garbage.time, "time", lambda: seconds)
+
+
+@pytest.mark.parametrize("epoch_start_s", [1799.0, 1801.0])
+def test_frozen_garbage_waits_for_a_full_pass_and_close_unfreezes(monkeypatch, epoch_start_s):
+    heap, state = FrozenHeap(True, 600.0), SimpleNamespace(step=0)
     heap.start(state)
+    wall_clock(monkeypatch, 1500.0)
     held = Node()
     state.step = 1
     heap.step_end(state)
@@ -75,13 +82,30 @@ def test_frozen_garbage_waits_for_a_full_pass_and_close_unfreezes(full_every_s):
     gc.collect()
     assert ref() is not None
     later = cycle()
-    heap.epoch_start(state)  # a full pass once full_every_s has passed; else only what was made since the freeze
+    wall_clock(monkeypatch, epoch_start_s)
+    heap.epoch_start(state)  # a full pass past the wall clock's next 600 s mark; else only what was made since
     assert later() is None and gc.get_freeze_count() > 0
-    assert (ref() is None) == (full_every_s == 0.0)
+    assert (ref() is None) == (epoch_start_s > 1800.0)
     heap.close(None)
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert ref() is None
+
+
+def test_ranks_whose_first_steps_end_apart_make_their_full_passes_at_the_same_epoch_start(monkeypatch):
+    ranks, passes = [FrozenHeap(True, 600.0), FrozenHeap(True, 600.0)], ([], [])
+    for rank, (heap, first_s) in enumerate(zip(ranks, (1250.0, 1290.0))):  # first steps end 40 s apart
+        refreeze = heap.refreeze
+        monkeypatch.setattr(heap, "refreeze", lambda full=False, log=passes[rank], refreeze=refreeze:
+                            log.append(full) or refreeze(full))
+        wall_clock(monkeypatch, first_s)
+        heap.start(SimpleNamespace(step=0))
+        heap.step_end(SimpleNamespace(step=1))
+    for start_s in (1790.0, 1810.0, 1870.0, 2410.0):  # epoch starts, which the ranks reach within a few ms
+        for rank, heap in enumerate(ranks):
+            wall_clock(monkeypatch, start_s + 0.002 * rank)
+            heap.epoch_start(SimpleNamespace(step=10))
+    assert passes[0] == passes[1] == [False, False, True, False, True]
 
 
 def test_resumed_run_freezes_after_its_own_first_step():
