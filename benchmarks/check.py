@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import multi_gpu  # noqa: E402
 from benchmarks.check_files import SAVES, gpu_slug, keeping, read_reference, read_resumed  # noqa: E402
-from benchmarks.common import ROOT, Results, kill_running, run_variant, table  # noqa: E402
+from benchmarks.common import ROOT, Results, kill_running, one_line, run_variant, succeeded_row, table  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 from utils.core.signals import StopOnSignal  # noqa: E402
 
@@ -145,10 +145,7 @@ class Measure:
     def checked(self, name: str, row: dict, run: str | None = None) -> dict:
         """Keep ``row`` (of measurement ``name``; of the run named ``run``); raises UserError when its run failed."""
         self.rows.append({"measurement": name, **row})
-        if row.get("returncode") != 0 or "samples_per_s" not in row:
-            raise UserError(f"the {row.get('variant', run or name)} run failed (exit status {row.get('returncode')}; its "
-                            f"output is in {self.args.out}): {' '.join(str(row.get('error', '')).split())[-300:]}")
-        return row
+        return succeeded_row(row, row.get("variant", run or name), f"; its output is in {self.args.out}")
 
     def train(self, name: str, args: list[str], config: str | None = None, steps: int | None = None,
               gpus: int = 1, measurement: str | None = None) -> dict:
@@ -357,7 +354,7 @@ def run_checkpoint_benchmark(args: list[str], folder: Path) -> list[dict]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise UserError(f"benchmarks/checkpoint.py failed (exit status {proc.returncode}): "
-                        f"{' '.join((proc.stdout + proc.stderr).split())[-300:]}")
+                        f"{one_line(proc.stdout + proc.stderr)}")
     return json.loads(out.read_text())["results"]
 
 

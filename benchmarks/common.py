@@ -69,6 +69,25 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
     return result
 
 
+def one_line(text: str, chars: int = 300) -> str:
+    """The last ``chars`` characters of ``text`` with each run of whitespace made one space: a run's output in an
+    ``error:`` line."""
+    return " ".join(text.split())[-chars:]
+
+
+def succeeded_row(row: dict, name: str, note: str = "") -> dict:
+    """``row`` of :func:`run_variant` if its run succeeded (exit status 0, a rate recorded).
+
+    Raises:
+        UserError: it failed; the message names the run ``name``, its exit status (``note`` after it) and the end
+            of its output.
+    """
+    if row.get("returncode") != 0 or "samples_per_s" not in row:
+        raise UserError(f"the {name} run failed (exit status {row.get('returncode')}{note}): "
+                        f"{one_line(str(row.get('error', '')))}")
+    return row
+
+
 def kill_running() -> None:
     """Kill every :func:`run_variant` run in flight (those of other threads, when the main thread is stopped)."""
     for child in list(RUNNING):

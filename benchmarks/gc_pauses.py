@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, read_json, run_variant, table  # noqa: E402
+from benchmarks.common import Results, read_json, run_variant, succeeded_row, table  # noqa: E402
 from utils.core.component import Component  # noqa: E402
 from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
 
@@ -128,11 +128,8 @@ def one_run(args, train_args: list[str], setting: str, index: int) -> dict:
     with tempfile.TemporaryDirectory(dir=folder, prefix="caches") as caches:  # empty, and removed after the run
         env = {} if args.warm_caches else {"TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
                                            "TRITON_CACHE_DIR": f"{caches}/triton"}
-        result = run_variant(name, ["--child", str(folder / "row.json"), *train_args, "--gc_freeze", setting],
-                             folder / "runs", entry="benchmarks/gc_pauses.py", env=env)
-    if result["returncode"] != 0 or "samples_per_s" not in result:
-        raise UserError(f"the {name} run failed (exit status {result['returncode']}): "
-                        f"{' '.join(str(result.get('error', '')).split())[-300:]}")
+        succeeded_row(run_variant(name, ["--child", str(folder / "row.json"), *train_args, "--gc_freeze", setting],
+                                  folder / "runs", entry="benchmarks/gc_pauses.py", env=env), name)
     return {"gc_freeze": setting, "run": index, **read_json(folder / "row.json", "run the benchmark again")}
 
 
