@@ -70,9 +70,11 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
 
 
 def one_line(text: str, chars: int = 300) -> str:
-    """The last ``chars`` characters of ``text`` with each run of whitespace made one space: a run's output in an
-    ``error:`` line."""
-    return " ".join(text.split())[-chars:]
+    """A run's output in an ``error:`` line: its own last ``error:`` line if it printed one (under torchrun the
+    ranks' lines come before torchrun's summary of the failure, which would fill the tail), else the end of
+    ``text``; at most ``chars`` characters, each run of whitespace made one space."""
+    said = [line.removeprefix("error: ") for line in text.splitlines() if line.startswith("error: ")]
+    return " ".join((said[-1] if said else text).split())[-chars:]
 
 
 def succeeded_row(row: dict, name: str, note: str = "") -> dict:

@@ -52,20 +52,33 @@ def test_checkpoint_benchmark_measures_every_kind_of_save(tiny_data, tmp_path):
     assert "sharded load, with checksums" in outputs[0][0]  # the table, on rank 0
 
 
-def test_gc_pauses_times_full_collections_with_and_without_the_frozen_heap(tiny_data, tmp_path, capsys):
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gc_pauses_times_full_collections_with_and_without_the_frozen_heap(tiny_data, tmp_path, capsys, gpus):
     from benchmarks.gc_pauses import main
     out = tmp_path / "gc.json"
-    main(["--runs", "1", "--expdir", str(tmp_path / "runs"), "--out", str(out), "--", "--config", "tiny",
-          "--data_path", str(tiny_data), "--num_iters", "4", "--limit_nsamples", "16", "--log_every", "1000"])
-    rows = {row["gc_freeze"]: row for row in json.loads(out.read_text())["results"]}
-    off, on = rows["false"], rows["true"]
-    assert off["frozen_objects"] == 0 and on["frozen_objects"] > 100_000  # torch's modules and the model, at least
-    # with the frozen heap: a full collection at the start of epoch 2, outside any step (step 1's is a young one)
-    assert on["collections_after_step_1"] >= on["collections_in_later_steps"] + 1
-    for row in (off, on):
+    main(["--runs", "1", "--gpus", str(gpus), "--expdir", str(tmp_path / "runs"), "--out", str(out), "--",
+          "--config", "tiny", "--data_path", str(tiny_data), "--num_iters", "4", "--limit_nsamples", "16",
+          "--log_every", "1000"])
+    rows = json.loads(out.read_text())["results"]
+    assert [(row["gc_freeze"], row["rank"]) for row in rows] == [(s, r) for s in ("false", "true") for r in range(gpus)]
+    for off, on in zip(rows[:gpus], rows[gpus:]):
+        assert off["frozen_objects"] == 0 and on["frozen_objects"] > 100_000  # torch's modules and the model
+        # with the frozen heap: a full collection at the start of epoch 2, outside any step (step 1's is a young one)
+        assert on["collections_after_step_1"] >= on["collections_in_later_steps"] + 1
+    for row in rows:
         assert row["samples_per_s"] > 0 and 0 < row["step_ms_median"] <= row["step_ms_longest"]
+        assert 0 < row["epoch_s_median"] == row["epoch_s_longest"]  # epoch 2 of 2: the only one after the first
         assert row["garbage_objects"] >= 0 and row["garbage_gpu_mib"] == 0  # no CUDA here
+        assert len(row["epoch_spans_s"]) == 2
+    for on in rows[gpus:]:  # the freeze at epoch 2's start, before its first step
+        assert 2 in [epoch for epoch, _ in on["collections_after_step_1_s"]]
     assert "in a later step" in capsys.readouterr().out
+
+
+def test_gc_pauses_reckons_each_epochs_span_from_its_steps():
+    from benchmarks.gc_pauses import epoch_spans
+    steps = [(1, 0.0, 5.0), (1, 5.5, 6.0), (2, 7.0, 7.5), (2, 9.0, 9.25), (3, 10.0, 10.5)]
+    assert epoch_spans(steps) == [6.0, 2.25, 0.5]
 
 
 class Cycle:

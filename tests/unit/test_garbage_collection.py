@@ -108,6 +108,22 @@ def test_ranks_whose_first_steps_end_apart_make_their_full_passes_at_the_same_ep
     assert passes[0] == passes[1] == [False, False, True, False, True]
 
 
+@pytest.mark.parametrize("epoch_starts_s", [(1790.0, 1810.0, 1870.0, 2410.0), (1260.0, 1500.0), (1799.0, 3700.0)])
+def test_the_gc_benchmark_reckons_the_full_passes_the_heap_makes(monkeypatch, epoch_starts_s):
+    from benchmarks.gc_pauses import full_passes_due
+    heap, passes = FrozenHeap(True, 600.0), []
+    refreeze = heap.refreeze
+    monkeypatch.setattr(heap, "refreeze", lambda full=False: passes.append(full) or refreeze(full))
+    wall_clock(monkeypatch, 1250.0)
+    heap.start(SimpleNamespace(step=0))
+    heap.step_end(SimpleNamespace(step=1))
+    for start_s in epoch_starts_s:
+        wall_clock(monkeypatch, start_s)
+        heap.epoch_start(SimpleNamespace(step=10))
+    assert full_passes_due(1250.0, [1000.0, *epoch_starts_s], 600.0) == passes.count(True) == len(set(
+        s // 600 for s in epoch_starts_s) - {1250.0 // 600})  # an epoch start before the first step counts none
+
+
 def test_resumed_run_freezes_after_its_own_first_step():
     heap, state = FrozenHeap(True), SimpleNamespace(step=100)
     heap.start(state)

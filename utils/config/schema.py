@@ -269,8 +269,9 @@ class EvaluationConfig:
     valid_every: int = key(1, "epochs between validations (the last epoch always validates)", AT_LEAST_1)
     key_channels: tuple[str, ...] = key((), "channels in the epoch line and run comparison ([]: first 4)")
     plot_channel: Optional[str] = key(None, "channel of the TensorBoard prediction figure (null: first)")
-    figure_every: int = key(1, "epochs between the TensorBoard figures, drawn by rank 0 at a validation (the last "
-                               "validation draws them too; 0: never)", NON_NEGATIVE)
+    figure_every: int = key(1, "epochs between the TensorBoard figures, drawn by rank 0 at a validation while the "
+                               "other ranks wait (0.2-0.8 s; the last validation draws them too; 0: never)",
+                            NON_NEGATIVE)
     valid_rollout_steps: int = key(1, "validation: leads scored by feeding the model its forecasts this many "
                                       "times (1: one step ahead)", AT_LEAST_1)
     valid_init_every: int = key(1, "validation: start forecasts at every n-th time step of each validation file "
