@@ -132,10 +132,11 @@ def epoch_spans(steps: list[tuple[int, float, float]]) -> list[float]:
 def summary(timer: CollectionTimer, record: dict) -> dict:
     """One run's row (see the module docstring) from its timer and its last epoch's record."""
     first_end = timer.steps[0][2]
-    after = [seconds for start, seconds in timer.collections if start > first_end]
+    later = [(start, seconds) for start, seconds in timer.collections if start > first_end]
+    after = [seconds for _, seconds in later]
     # each collection after step 1 by the epoch (numbered from 1, as the log does) of the next step to start
     by_epoch = [[next((epoch + 1 for epoch, begin, _ in timer.steps if begin >= start), None), round(seconds, 4)]
-                for start, seconds in timer.collections if start > first_end]
+                for start, seconds in later]
     inside = [seconds for start, seconds in timer.collections
               if any(begin <= start <= end for _, begin, end in timer.steps[1:])]
     last = [end - begin for epoch, begin, end in timer.steps if epoch == timer.steps[-1][0]]
