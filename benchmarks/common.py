@@ -62,8 +62,9 @@ def run_variant(name: str, args: list[str], expdir: Path, launcher: list[str] | 
         return result
     epochs = [json.loads(line) for line in metrics[-1].read_text().strip().splitlines()]
     result.update(epochs[-1])
-    # the loss curve over epochs, to compare runs (e.g. tensor parallel against tp=1)
-    result["curve"] = [{**{k: e.get(k) for k in ("iteration", "loss/train", "loss/valid", "samples_per_s")},
+    # the loss curve over epochs, to compare runs (e.g. tensor parallel against tp=1), and each epoch's clocks
+    result["curve"] = [{**{k: e.get(k) for k in ("iteration", "loss/train", "loss/valid", "samples_per_s",
+                                                  "epoch_time_s", "elapsed_s")},
                         "alloc_retries": e.get("memory/alloc_retries")} for e in epochs]
     print(f"[{name}] {result['samples_per_s']:.1f} samples/s", flush=True)
     return result

@@ -75,6 +75,27 @@ def test_gc_pauses_times_full_collections_with_and_without_the_frozen_heap(tiny_
     assert "in a later step" in capsys.readouterr().out
 
 
+def test_figure_cost_times_runs_with_and_without_figures(tiny_data, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from benchmarks.figure_cost import main
+    out, runs = tmp_path / "figures.json", tmp_path / "runs"
+    main(["--runs", "1", "--expdir", str(runs), "--out", str(out), "--", "--config", "tiny", "--data_path",
+          str(tiny_data), "--num_iters", "6", "--limit_nsamples", "16", "--valid_every", "1", "--log_every", "1000"])
+    saved = json.loads(out.read_text())
+    rows, summary = saved["results"], saved["summary"]
+    assert [row["figure_every"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["epochs"] == 3 and row["wall_s_per_epoch"] > 0 and row["samples_per_s_median"] > 0
+        elapsed = [epoch["elapsed_s"] for epoch in row["curve"]]
+        assert row["wall_s_per_epoch"] == pytest.approx((elapsed[2] - elapsed[0]) / 2)
+    assert summary["figures_s_per_epoch"] == pytest.approx(rows[1]["wall_s_per_epoch"] - rows[0]["wall_s_per_epoch"])
+    images = {every: EventAccumulator(str(next(runs.glob(f"*/*/figure_every_{every}_0-*")))).Reload().Tags()["images"]
+              for every in (0, 1)}
+    assert images[0] == [] and any(tag.startswith("prediction(") for tag in images[1])  # the flag reached the run
+    assert "the figures cost" in capsys.readouterr().out
+
+
 def test_gc_pauses_reckons_each_epochs_span_from_its_steps():
     from benchmarks.gc_pauses import epoch_spans
     steps = [(1, 0.0, 5.0), (1, 5.5, 6.0), (2, 7.0, 7.5), (2, 9.0, 9.25), (3, 10.0, 10.5)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -98,8 +98,8 @@ class Evaluator(Component):
         with rollouts (``valid_rollout_steps`` > 1) also the key channels' ``rmse_by_lead/<ch>/<lead>``,
         ``acc_by_lead/...``, ``bias_by_lead/...``, ``blurring_by_lead/...`` and the whole table (without
         spectra) as ``scorecard`` (:meth:`Scorecard.to_json`). ``figures`` (rank 0 only, with ``draw``; by
-        TensorBoard tag): the plot channel's first prediction and, with rollouts, RMSE/ACC/bias against lead time
-        and the spectra.
+        TensorBoard tag; callables that draw and return a matplotlib Figure): the plot channel's first prediction
+        and, with rollouts, RMSE/ACC/bias against lead time and the spectra.
 
         Raises:
             NonFiniteError: the scores are NaN/Inf (naming the validation samples holding NaN/Inf).
@@ -131,17 +131,9 @@ class Evaluator(Component):
         if card.ensemble is not None:  # the ensemble mean's RMSE is rmse/<ch>; its CRPS and spread beside it
             record.update({f"{score}/{ch}": card.ensemble[score][ch][0] for score in VALIDATION_ENSEMBLE_SCORES
                            for ch in card.channels})
-        figures = {}
         if self.steps > 1:
             record.update(card.lead_record(self.key_channels), scorecard=card.to_json(spectra=False))
-        if self.world.is_main and first:
-            from training.evaluation.plots import skill_figure, spectra_figure  # matplotlib loads on the drawing rank
-            figures[f"prediction({self.plot_channel})/valid"] = self._prediction_figure(*first[0], step, card.label(0))
-            if self.steps > 1:
-                figures["skill_by_lead/valid"] = skill_figure(card.to_json(), self.key_channels, self.units,
-                                                              self.run_name, step)
-                figures["spectra/valid"] = spectra_figure(card.to_json(), self.key_channels, self.units,
-                                                          self.run_name, step)
+        figures = self._figure_makers(*first[0], step, card) if self.world.is_main and first else {}
         return record, figures
 
     def _raise_nonfinite(self, checks: list) -> None:
@@ -155,15 +147,31 @@ class Evaluator(Component):
                              "lower --lr, set --max_grad_norm 1.0, or use --amp_mode bf16 instead of fp16 or fp8"
                              + (f", or score fewer --valid_rollout_steps than {self.steps}" if self.steps > 1 else ""))
 
-    def _prediction_figure(self, pred: torch.Tensor, target: torch.Tensor, step: int | None, lead: str):
-        """Prediction, target and difference maps of the plot channel, in physical units."""
-        from training.evaluation.plots import prediction_figure
+    def _figure_makers(self, pred: torch.Tensor, target: torch.Tensor, step: int | None,
+                       card) -> dict[str, Callable[[], Any]]:
+        """This validation's figures by TensorBoard tag, as callables that draw them (matplotlib loads and draws
+        on the thread that calls them: the reporter's drawing thread). Read back here: the plot channel of the
+        first prediction and target (``(C, H, W)``, normalized) as ``(H, W)`` maps in physical units, and the
+        scorecard."""
         names = self.data.channel_names
         ch = names.index(self.plot_channel)
         mean, std = self.data.stats.mean[0, ch], self.data.stats.std[0, ch]
-        to_np = lambda x: (x[ch] * std + mean).float().cpu().numpy()  # noqa: E731
-        return prediction_figure(to_np(pred), to_np(target), names[ch], self.units[names[ch]], self.data.latitude,
-                                 self.longitude, self.run_name, step, lead)
+        pred_map, target_map = ((x[ch] * std + mean).float().cpu().numpy() for x in (pred, target))
+        labels = (names[ch], self.units[names[ch]], self.data.latitude, self.longitude, self.run_name, step,
+                  card.label(0))
+        makers = {f"prediction({self.plot_channel})/valid":
+                  lambda: _plots().prediction_figure(pred_map, target_map, *labels)}
+        if self.steps > 1:
+            table, lines = card.to_json(), (list(self.key_channels), dict(self.units), self.run_name, step)
+            makers["skill_by_lead/valid"] = lambda: _plots().skill_figure(table, *lines)
+            makers["spectra/valid"] = lambda: _plots().spectra_figure(table, *lines)
+        return makers
+
+
+def _plots():
+    """``training.evaluation.plots``, imported by its first caller (matplotlib loads on the drawing thread)."""
+    from training.evaluation import plots
+    return plots
 
 
 # a stochastic model's first-lead ensemble scores in the epoch record

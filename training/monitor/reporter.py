@@ -7,7 +7,8 @@ and the run record ``run.json`` it keeps up to date (``training/loop/run_dir.py`
 * ``metrics.jsonl``: one flat JSON record per epoch (``loss/train``, ``rmse/<channel>``,
   ``memory/peak_allocated``, ``samples_per_s``, ...);
 * TensorBoard events: every numeric record key as a scalar, plus an HParams entry (the resolved
-  config and the final metrics) so the HParams tab compares runs.
+  config and the final metrics) so the HParams tab compares runs, and the validation's figures, drawn on a
+  thread of their own while the next epoch trains (``training/monitor/drawing.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from distributed.checkpoint.folder import read_latest
+from training.monitor.drawing import FigureDrawer
 from training.monitor.memory import format_memory
 from utils.config.schema import LoggingConfig
 from utils.core.component import Component
@@ -152,6 +154,8 @@ class Reporter(Component):
         self.n_epochs, self.last_loss, self.rollout_steps = n_epochs, last_loss, rollout_steps
         self.printed = 0  # the iteration of the last progress line
         self.writer = None
+        self.drawer: FigureDrawer | None = None
+        self.figures_due: tuple[dict[str, Any], int] | None = None  # the last validation's, and its iteration
         self.bar = None
         self.record: dict[str, Any] = {}
         self.t0, self.elapsed_before = time.perf_counter(), 0.0
@@ -183,6 +187,7 @@ class Reporter(Component):
         write_text_atomic(self.run_dir / "config.yaml", self.config_yaml)
         purge = None if resumed_step is None else resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge)
+        self.drawer = FigureDrawer(self.writer)
         hp = {k: hparam_value(v) for k, v in record["config"].items()}
         hp.update(world_size=record["world_size"], **{f"mesh_{k}": v for k, v in record["mesh"].items()})
         experiment, session_start, _ = hparams(hp, {tag: 0.0 for tag in self.metric_tags})
@@ -212,6 +217,8 @@ class Reporter(Component):
         write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def epoch_start(self, state) -> None:
+        """Hand the last validation's figures to the drawing thread (:meth:`_draw_due`); start the progress bar."""
+        self._draw_due()
         # batch jobs (SLURM) get plain lines even when srun hands them a terminal
         if self.run_dir is not None and sys.stdout.isatty() and "SLURM_JOB_ID" not in os.environ:
             self.bar = tqdm(total=state.epoch_end - state.epoch_step, desc=f"epoch {state.epoch_number}", leave=False,
@@ -234,18 +241,22 @@ class Reporter(Component):
             self.printed = iteration
 
     def epoch_end(self, state, record: dict[str, Any]) -> None:
-        """Report one epoch: the figures, the console line, TensorBoard scalars and a ``metrics.jsonl`` line."""
+        """Report one epoch: the console line, TensorBoard scalars and a ``metrics.jsonl`` line; its figures are
+        drawn from the next epoch's start on (:meth:`_draw_due`).
+
+        Raises:
+            UserError: the logs could not be written.
+        """
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         figures = record.pop("figures", {})
         if self.run_dir is None:
             return
-        for tag, figure in figures.items():
-            self.writer.add_figure(tag, figure, global_step=record["iteration"])
         record = {**record, "elapsed_s": round(self.elapsed(), 3)}
         log.info(self.epoch_line(record, self.n_epochs))
         log.info(format_memory({k[len("memory/"):]: v for k, v in record.items() if k.startswith("memory/")}))
+        self.figures_due = (figures, record["iteration"]) if figures else None
         try:
             for key, value in record.items():
                 if key not in NOT_SCALARS and not key.endswith("_rank") and isinstance(value, (int, float)):
@@ -258,9 +269,45 @@ class Reporter(Component):
                 os.close(fd)
         except OSError as exc:  # TensorBoard's writer thread re-raises its own write errors here
             self.writer = None  # it cannot be flushed or closed any more
-            raise UserError(f"writing the run's logs in {self.run_dir} failed: {exc.strerror or exc} "
-                            f"({free_space(self.run_dir)}); free space or pass --expdir on a larger "
-                            "filesystem") from None
+            raise self._write_failed(exc) from None
+
+    def _draw_due(self) -> None:
+        """Hand the last validation's figures to the drawing thread. This waits for the epoch's start, after
+        FrozenHeap's freeze (the components' first hook): objects that the drawing makes are then young, and
+        Python's collector frees them as usual. Figures drawn across a freeze would stay, frozen garbage, until
+        its next full pass (``training/loop/garbage.py``).
+
+        Raises:
+            UserError: the previous validation's figures could not be written.
+        """
+        due, self.figures_due = self.figures_due, None
+        if due is not None:
+            try:
+                self.drawer.submit(*due)
+            except OSError as exc:
+                raise self._write_failed(exc) from None
+
+    def _write_failed(self, exc: OSError) -> UserError:
+        return UserError(f"writing the run's logs in {self.run_dir} failed: {exc.strerror or exc} "
+                         f"({free_space(self.run_dir)}); free space or pass --expdir on a larger filesystem")
+
+    def _close_drawer(self) -> BaseException | None:
+        """Draw the last validation's figures, wait for them and end the drawing thread; what drawing them raised,
+        or None (a failed write as :meth:`_write_failed`'s error)."""
+        drawer, self.drawer = self.drawer, None
+        due, self.figures_due = self.figures_due, None
+        try:
+            if drawer is not None:
+                try:
+                    if due is not None:
+                        drawer.submit(*due)
+                finally:
+                    drawer.close()
+        except OSError as exc:
+            return self._write_failed(exc)
+        except Exception as exc:  # a bug in drawing: it fails the run, as it did when drawn on the main thread
+            return exc
+        return None
 
     def epoch_line(self, r: dict[str, Any], n_epochs: int) -> str:
         line = (f"epoch {r['epoch']}/{n_epochs} | {r['epoch_time_s']:.2f} s | {r['samples_per_s']:.1f} samples/s"
@@ -273,12 +320,18 @@ class Reporter(Component):
         return line
 
     def close(self, error: BaseException | None) -> None:
-        """Flush and close the writer; mark ``run.json`` completed, preempted, interrupted or failed (with
-        the error)."""
+        """Wait for the last figures, flush and close the writer; mark ``run.json`` completed, preempted,
+        interrupted or failed (with the error).
+
+        Raises:
+            UserError, or what drawing the last figures raised, after a run that had no error of its own.
+        """
         if self.bar is not None:
             self.bar.close()
         if self.run_dir is None or not self.record:
             return
+        drawing = self._close_drawer()
+        error = drawing if error is None else error
         status = ("completed" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
                   else "preempted" if isinstance(error, Preempted) else "failed")
         if self.writer is not None:
@@ -293,3 +346,7 @@ class Reporter(Component):
             if error is None:
                 raise UserError(f"cannot update {self.run_dir / 'run.json'} ({exc.strerror}); free space there") from None
             log.warning("could not mark %s as %s: %s", self.run_dir / "run.json", status, exc.strerror)
+        if drawing is not None and drawing is error:
+            raise drawing
+        if drawing is not None:
+            log.warning("the last figures were not drawn: %s", drawing)

@@ -269,8 +269,8 @@ class EvaluationConfig:
     valid_every: int = key(1, "epochs between validations (the last epoch always validates)", AT_LEAST_1)
     key_channels: tuple[str, ...] = key((), "channels in the epoch line and run comparison ([]: first 4)")
     plot_channel: Optional[str] = key(None, "channel of the TensorBoard prediction figure (null: first)")
-    figure_every: int = key(1, "epochs between the TensorBoard figures, drawn by rank 0 at a validation while the "
-                               "other ranks wait (0.1-0.9 s; the last validation draws them too; 0: never)",
+    figure_every: int = key(1, "epochs between the TensorBoard figures, drawn by rank 0 after a validation on a "
+                               "thread beside the training (the last validation draws them too; 0: never)",
                             NON_NEGATIVE)
     valid_rollout_steps: int = key(1, "validation: leads scored by feeding the model its forecasts this many "
                                       "times (1: one step ahead)", AT_LEAST_1)
