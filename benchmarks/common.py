@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from utils.core.errors import UserError
+from utils.core.errors import ArgumentParser, UserError
 from utils.core.files import read_bounded, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +152,32 @@ class Results(list):
 
     def save(self) -> None:
         save_json(self.path, {**self.meta, "results": list(self)})
+
+
+def runs_parser(doc: str, name: str) -> ArgumentParser:
+    """The options of a benchmark that runs ``train.py`` ``--runs`` times in each of its settings, each run on
+    ``--gpus`` ranks (torchrun above 1), in folders under ``--expdir`` (``/tmp/<name>``), saving ``--out``
+    (``benchmarks/results/<name>.json``); ``train.py`` options follow ``--`` (:func:`parse_runs`)."""
+    ap = ArgumentParser(description=doc, usage="%(prog)s [options] [-- train.py options]")
+    ap.add_argument("--runs", type=int, default=2, help="runs of each setting")
+    ap.add_argument("--gpus", type=int, default=1, help="ranks of each run (more than 1: torchrun)")
+    ap.add_argument("--expdir", default=f"/tmp/{name}", help="the runs' folders")
+    ap.add_argument("--out", default=f"benchmarks/results/{name}.json")
+    return ap
+
+
+def parse_runs(ap: ArgumentParser, argv: list[str]):
+    """``(options, train.py options)``: ``argv`` before ``--`` parsed by ``ap`` (:func:`runs_parser`), the rest.
+
+    Raises:
+        UserError: ``--runs`` or ``--gpus`` below 1.
+    """
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, train_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    for flag, value in (("--runs", args.runs), ("--gpus", args.gpus)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: give 1 or more")
+    return args, train_args
 
 
 def add_attention_shape(parser) -> None:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, run_variant, succeeded_row, table  # noqa: E402
+from benchmarks.common import Results, parse_runs, run_variant, runs_parser, succeeded_row, table  # noqa: E402
 from benchmarks.multi_gpu import torchrun  # noqa: E402
-from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from utils.core.errors import UserError, run_cli  # noqa: E402
 
 COLUMNS = [("figure_every", "figure_every", "d"), ("run", "run", "d"), ("epochs", "epochs", "d"),
            ("wall s per epoch", "wall_s_per_epoch", ".3f"), ("epoch 2 s", "epoch_2_s", ".3f"),
@@ -67,16 +67,7 @@ def one_run(args, train_args: list[str], every: int, index: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    cut = argv.index("--") if "--" in argv else len(argv)
-    ap = ArgumentParser(description=__doc__, usage="%(prog)s [options] [-- train.py options]")
-    ap.add_argument("--runs", type=int, default=2, help="runs of each setting")
-    ap.add_argument("--gpus", type=int, default=1, help="ranks of each run (more than 1: torchrun)")
-    ap.add_argument("--expdir", default="/tmp/figure_cost", help="the runs' folders")
-    ap.add_argument("--out", default="benchmarks/results/figure_cost.json")
-    args, train_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
-    for flag, value in (("--runs", args.runs), ("--gpus", args.gpus)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: give 1 or more")
+    args, train_args = parse_runs(runs_parser(__doc__, "figure_cost"), argv)
     from utils.config.command_line import cli_config
     cli_config(train_args, "tiny", "benchmarks/figure_cost.py")  # bad options: before any run
     results = Results(Path(args.out), train_args=train_args, gpus=args.gpus)

@@ -38,11 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Results, read_json, run_variant, succeeded_row, table  # noqa: E402
+from benchmarks.common import (Results, parse_runs, read_json, run_variant, runs_parser,  # noqa: E402
+                               succeeded_row, table)
 from benchmarks.multi_gpu import torchrun  # noqa: E402
 from training.loop.garbage import FULL_EVERY_S  # noqa: E402
 from utils.core.component import Component  # noqa: E402
-from utils.core.errors import ArgumentParser, UserError, run_cli  # noqa: E402
+from utils.core.errors import run_cli  # noqa: E402
 
 COLUMNS = [("gc_freeze", "gc_freeze", "s"), ("run", "run", "d"), ("rank", "rank", "d"),
            ("samples/s", "samples_per_s", ".1f"),
@@ -188,17 +189,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--child"]:
         child(Path(argv[1]), argv[2:])
         return 0
-    cut = argv.index("--") if "--" in argv else len(argv)
-    ap = ArgumentParser(description=__doc__, usage="%(prog)s [options] [-- train.py options]")
-    ap.add_argument("--runs", type=int, default=2, help="runs of each setting")
-    ap.add_argument("--gpus", type=int, default=1, help="ranks of each run (more than 1: torchrun)")
+    ap = runs_parser(__doc__, "gc_pauses")
     ap.add_argument("--warm_caches", action="store_true", help="share this machine's compile caches between runs")
-    ap.add_argument("--expdir", default="/tmp/gc_pauses", help="the runs' folders")
-    ap.add_argument("--out", default="benchmarks/results/gc_pauses.json")
-    args, train_args = ap.parse_args(argv[:cut]), argv[cut + 1:]
-    for flag, value in (("--runs", args.runs), ("--gpus", args.gpus)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: give 1 or more")
+    args, train_args = parse_runs(ap, argv)
     from utils.config.command_line import cli_config
     cli_config([*train_args, "--gc_freeze", "true"], "tiny", "benchmarks/gc_pauses.py")  # bad options: before any run
     results = Results(Path(args.out), train_args=train_args, warm_caches=args.warm_caches)
