@@ -292,20 +292,20 @@ class Reporter(Component):
                          f"({free_space(self.run_dir)}); free space or pass --expdir on a larger filesystem")
 
     def _close_drawer(self) -> BaseException | None:
-        """Draw the last validation's figures, wait for them and end the drawing thread; what drawing them raised,
-        or None (a failed write as :meth:`_write_failed`'s error)."""
-        drawer, self.drawer = self.drawer, None
-        due, self.figures_due = self.figures_due, None
+        """Hand the last validation's figures over (:meth:`_draw_due`), wait for them and end the drawing thread;
+        what drawing them raised (a failed write as :meth:`_write_failed`'s error), or None."""
+        drawer = self.drawer
+        if drawer is None:
+            return None
         try:
-            if drawer is not None:
-                try:
-                    if due is not None:
-                        drawer.submit(*due)
-                finally:
-                    drawer.close()
+            try:
+                self._draw_due()
+            finally:
+                self.drawer = None
+                drawer.close()
         except OSError as exc:
             return self._write_failed(exc)
-        except Exception as exc:  # a bug in drawing: it fails the run, as it did when drawn on the main thread
+        except Exception as exc:  # that error, or a bug in drawing: it fails the run, as it did on the main thread
             return exc
         return None
 
