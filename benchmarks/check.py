@@ -151,8 +151,8 @@ class Measure:
               gpus: int = 1, measurement: str | None = None) -> dict:
         """Two epochs of ``config`` (default ``--config``; ``steps`` per epoch, default its own) with ``args``, on
         ``gpus`` GPUs (more than 1: torchrun); the row, kept under ``measurement`` (default ``name``)."""
-        launch = {"launcher": multi_gpu.torchrun(gpus)} if gpus > 1 else {}
-        return self.checked(measurement or name, self.launch(name, args, config, steps, **launch), name)
+        return self.checked(measurement or name, self.launch(name, args, config, steps, **multi_gpu.ranks_launch(gpus)),
+                            name)
 
     def launch(self, name: str, args: list[str], config: str | None = None, steps: int | None = None,
                **launch) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Results, parse_runs, run_variant, runs_parser, succeeded_row, table  # noqa: E402
-from benchmarks.multi_gpu import torchrun  # noqa: E402
+from benchmarks.multi_gpu import ranks_launch  # noqa: E402
 from utils.core.errors import UserError, run_cli  # noqa: E402
 
 COLUMNS = [("figure_every", "figure_every", "d"), ("run", "run", "d"), ("epochs", "epochs", "d"),
@@ -60,9 +60,8 @@ def cost(rows: list[dict]) -> dict:
 def one_run(args, train_args: list[str], every: int, index: int) -> dict:
     """A ``train.py`` run with ``--figure_every every``; its row."""
     name = f"figure_every_{every}_{index}"
-    launch = {"launcher": torchrun(args.gpus)} if args.gpus > 1 else {}
     row = succeeded_row(run_variant(name, [*train_args, "--figure_every", str(every)], Path(args.expdir).absolute(),
-                                    **launch), name)
+                                    **ranks_launch(args.gpus)), name)
     return {"figure_every": every, "run": index, **clocks(row["curve"]), "curve": row["curve"]}
 
 

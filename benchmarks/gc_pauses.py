@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (Results, parse_runs, read_json, run_variant, runs_parser,  # noqa: E402
                                succeeded_row, table)
-from benchmarks.multi_gpu import torchrun  # noqa: E402
+from benchmarks.multi_gpu import ranks_launch  # noqa: E402
 from training.loop.garbage import FULL_EVERY_S  # noqa: E402
 from utils.core.component import Component  # noqa: E402
 from utils.core.errors import run_cli  # noqa: E402
@@ -178,9 +178,9 @@ def one_run(args, train_args: list[str], setting: str, index: int) -> list[dict]
     with tempfile.TemporaryDirectory(dir=folder, prefix="caches") as caches:  # empty, and removed after the run
         env = {} if args.warm_caches else {"TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
                                            "TRITON_CACHE_DIR": f"{caches}/triton"}
-        launch = {"launcher": torchrun(args.gpus)} if args.gpus > 1 else {}
         succeeded_row(run_variant(name, ["--child", str(folder), *train_args, "--gc_freeze", setting],
-                                  folder / "runs", entry="benchmarks/gc_pauses.py", env=env, **launch), name)
+                                  folder / "runs", entry="benchmarks/gc_pauses.py", env=env,
+                                  **ranks_launch(args.gpus)), name)
     return [{"gc_freeze": setting, "run": index, "rank": rank,
              **read_json(folder / f"rank{rank}.json", "run the benchmark again")} for rank in range(args.gpus)]
 

@@ -130,6 +130,11 @@ def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
 
 
+def ranks_launch(n: int) -> dict:
+    """``run_variant``'s launcher keyword for a run on ``n`` ranks: torchrun above 1, none (one process) for 1."""
+    return {"launcher": torchrun(n)} if n > 1 else {}
+
+
 def validation_every(args) -> int:
     """tp validates every epoch (loss curves to compare); the other suites only at the end."""
     return 1 if args.suite == "tp" else args.epochs
