@@ -136,7 +136,8 @@ def ranks_launch(n: int) -> dict:
 
 
 def validation_every(args) -> int:
-    """tp validates every epoch (loss curves to compare); the other suites only at the end."""
+    """tp validates every epoch (loss curves to compare; no figures, see :func:`run`); the other suites only at
+    the end."""
     return 1 if args.suite == "tp" else args.epochs
 
 
@@ -145,8 +146,11 @@ def run(args, rows: Results, name: str, n: int, run_args: list[str], valid_every
     """Run one variant under torchrun with ``runner`` (:func:`benchmarks.common.run_variant`) and append its
     row (with ``gpus`` and ``per_gpu`` samples/s) to ``rows``."""
     iters = args.epochs * (args.steps if args.suite != "scaling" else 32)
+    # a validation before the reported epoch has its figures drawn during that epoch, on rank 0's drawing thread
+    # (training/monitor/drawing.py): not to time them, no figures (docs/speed.md, round 5x)
+    figures = ["--figure_every", "0"] if valid_every < args.epochs else []
     row = runner(name, run_args + ["--num_iters", str(iters), "--valid_every", str(valid_every),
-                                   "--log_every", "1000"] + args.extra.split(),
+                                   "--log_every", "1000", *figures] + args.extra.split(),
                  Path(args.expdir), launcher=torchrun(n), entry=args.entry)
     row["gpus"] = n
     if "samples_per_s" in row:

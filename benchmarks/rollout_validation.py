@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         k, every = variant.split("x")
         common = ["--config", args.config, "--data_path", args.data_path, "--num_iters", str(2 * steps),
                   "--valid_every", "1", "--log_every", "1000", "--valid_rollout_steps", k, "--valid_init_every", every,
-                  *args.extra.split()]
+                  "--figure_every", "0", *args.extra.split()]  # figures drawn in epoch 2 would count in its time
         row = run_variant(f"rollout_{variant}", common, Path(args.expdir))
         if "valid_time_s" in row:
             row["total_s"] = row["epoch_time_s"] + row["valid_time_s"]

@@ -578,8 +578,11 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
     from benchmarks.multi_gpu import main
     calls = []
 
+    figures = {}
+
     def run(name, args, expdir, launcher, entry):  # batches up to 24 fit; 32 has cudaMalloc retries
         calls.append((name, launcher[-1]))
+        figures[name] = args[args.index("--figure_every") + 1] if "--figure_every" in args else None
         bs = int(args[args.index("--local_batch_size") + 1])
         return {"variant": name, "returncode": 0, "samples_per_s": 10.0,
                 "curve": [{"alloc_retries": int(bs > 24)}]}
@@ -589,9 +592,12 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
                      ("mp_tp2_cp1_async", "--nproc_per_node=2"), ("mp_tp2_cp1_buckets", "--nproc_per_node=2"),
                      ("mp_tp2_cp1_async_buckets", "--nproc_per_node=2"), ("mp_tp2_cp1_nosp", "--nproc_per_node=2"),
                      ("mp_tp1_cp2", "--nproc_per_node=2"), ("mp_tp1_cp2_ring", "--nproc_per_node=2")]
+    # tp validates after epoch 1: its figures, drawn during epoch 2, would count in the reported epoch
+    assert set(figures.values()) == {"0"}
     calls.clear()
     assert main(["--suite", "fsdp", "--only", "mp_zero3_ac,mp_ddp", *out], runner=run) == 0
     assert [name for name, _ in calls] == ["mp_ddp", "mp_zero3_ac"]  # the suite's order
+    assert figures["mp_ddp"] is None  # validated only after the reported epoch
     with pytest.raises(SystemExit) as exit_:
         main(["--suite", "tp", "--only", "mp_tp4_cp1", *out], runner=run)
     assert exit_.value.code == 2 and "--only mp_tp4_cp1: not a variant of --suite tp" in capsys.readouterr().err
