@@ -208,7 +208,8 @@ def train_args(args, mode: str, seed: int, overrides: dict[str, str]) -> list[st
     the next epoch and count in its samples/s), then SPEED, the mode, the overrides."""
     # absolute: train.py runs in the repository root, wherever this script was started
     return ["--config", args.config, "--data_path", str(Path(args.data_path).absolute()), "--seed", str(seed),
-            "--valid_every", "1", "--log_every", "1000", "--figure_every", "0", *SPEED, "--amp_mode", mode, *mode_args(mode, overrides)]
+            "--valid_every", "1", "--log_every", "1000", "--figure_every", "0", *SPEED, "--amp_mode", mode,
+            *mode_args(mode, overrides)]
 
 
 def check(args, overrides: dict[str, str]) -> list[str]:

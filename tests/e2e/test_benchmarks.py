@@ -190,6 +190,14 @@ def test_precision_parity_passes_fp8_keys_to_fp8_runs_only():
     assert mode_args("fp8", overrides) == ["--lr", "1e-3", "--fp8_recipe", "rowwise", "--enable_jit", "true"]
 
 
+def test_precision_parity_runs_draw_no_figures_into_their_timed_epochs():
+    """Each run validates every epoch; figures would be drawn during the next epoch and count in its samples/s."""
+    import argparse
+    from benchmarks.precision_parity import train_args
+    args = train_args(argparse.Namespace(config="tiny", data_path="/d"), "bf16", 0, {})
+    assert args[args.index("--valid_every") + 1] == "1" and args[args.index("--figure_every") + 1] == "0"
+
+
 def test_precision_parity_end_to_end_on_cpu(tiny_data, tmp_path, forking_python):
     # the CPU runs bf16 autocast and bf16_pure (fp8 needs a Hopper GPU); the speed settings are switched off after --
     out = tmp_path / "parity.json"
@@ -576,9 +584,7 @@ def test_multi_gpu_suites_split_into_calls(tmp_path, capsys):
     """tp on 2 GPUs leaves out tp 4; --only picks variants by name (an unknown one is a one-line error before
     any run); vit2b's batch search splits by --batches and --fsdp_prefetches."""
     from benchmarks.multi_gpu import main
-    calls = []
-
-    figures = {}
+    calls, figures = [], {}
 
     def run(name, args, expdir, launcher, entry):  # batches up to 24 fit; 32 has cudaMalloc retries
         calls.append((name, launcher[-1]))
