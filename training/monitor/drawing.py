@@ -7,9 +7,9 @@ start, after the garbage collector's freeze (``training/monitor/reporter.py``). 
 wall clock 0.04-0.24 s an epoch instead of 0.50 s: the training thread waits for the interpreter's lock while
 this one lays out axes (round 5v), and a shorter switch interval does not give it back (round 5y). On 2 H200s
 that is 0.10-0.22 s an epoch with DDP, 0.30-0.51 s with async tensor parallel, whose steps do more host work
-(rounds 5x, 5y). It is the only thread of the run that uses matplotlib, whose
-pyplot keeps global state. A validation's figures wait for the previous validation's, so at most one set is
-pending, and the run's end waits for the last.
+(rounds 5x, 5y). It is the only thread of the run that uses matplotlib, whose pyplot keeps global state. A
+validation's figures wait for the previous validation's, so at most one set is pending, and the run's end waits
+for the last.
 """
 
 from __future__ import annotations
