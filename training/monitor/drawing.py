@@ -1,15 +1,13 @@
 """TensorBoard figures drawn beside the training (:class:`FigureDrawer`).
 
-Drawing a validation's figures with matplotlib takes 0.1-0.9 s. Drawn by rank 0 between two epochs, they held
-every other rank at its next step's gradient all-reduce, and the GPUs idle, for that long (docs/speed.md, round
-5u). One worker thread now draws them while the next epoch trains: the reporter hands them over at that epoch's
-start, after the garbage collector's freeze (``training/monitor/reporter.py``). On one H200 they then cost the
-wall clock 0.04-0.24 s an epoch instead of 0.50 s: the training thread waits for the interpreter's lock while
-this one lays out axes (round 5v), and a shorter switch interval does not give it back (round 5y). On 2 H200s
-that is 0.10-0.22 s an epoch with DDP, 0.30-0.51 s with async tensor parallel, whose steps do more host work
-(rounds 5x, 5y). It is the only thread of the run that uses matplotlib, whose pyplot keeps global state. A
-validation's figures wait for the previous validation's, so at most one set is pending, and the run's end waits
-for the last.
+Drawing a validation's figures with matplotlib takes 0.1-0.9 s. Drawn by rank 0 between two epochs, they held every
+other rank at its next step's gradient all-reduce, and the GPUs idle, for that long (docs/speed.md, round 5u). One
+worker thread now draws them while the next epoch trains: the reporter hands them over at that epoch's start, after
+the garbage collector's freeze (``training/monitor/reporter.py``). What the figures still cost is the training
+thread's wait for the interpreter's lock while this one lays out axes, a fraction of an epoch's time (a shorter
+switch interval does not help: docs/speed.md, round 5y); docs/evaluation.md gives the measured cost on one and two
+GPUs. It is the only thread of the run that uses matplotlib, whose pyplot keeps global state. A validation's figures
+wait for the previous validation's, so at most one set is pending, and the run's end waits for the last.
 """
 
 from __future__ import annotations
