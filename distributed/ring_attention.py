@@ -108,11 +108,14 @@ def chunk_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 def _cuda_chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, seed: torch.Tensor | None, offset: torch.Tensor | None,
                          kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A CUDA kernel's backward of one chunk, opaque to inductor: the merged ``out`` and ``lse`` are laid out
-    here, eagerly, as the kernel's forward would have returned them. Traced, inductor may give them strides the
-    kernels refuse (cuDNN wants ``dO`` strided like ``O`` and its ``(B, h, n, 1)`` statistics packed, last
-    stride 1 even for that size-1 dim) or misread. Returns contiguous ``(dq, dk, dv)``."""
-    out, dout = out.contiguous(), dout.contiguous()
+    """A CUDA kernel's backward of one chunk, opaque to inductor: the merged ``out`` and ``lse`` are checked and
+    laid out here, eagerly, as the kernel's forward would have returned them. Traced, inductor may give them
+    strides the kernels refuse (cuDNN wants ``dO`` strided like ``O`` and its ``(B, h, n, 1)`` statistics packed, last
+    stride 1 even for that size-1 dim) or misread. ``out`` and ``dout`` pass as they are when they share
+    strides with dense rows, as the ring hands them over (:func:`_kernel_layout`). Returns ``dq`` in the
+    kernels' layout (their own, so no copy) and contiguous ``dk``, ``dv``."""
+    if out.stride() != dout.stride() or out.stride(-1) != 1:
+        out, dout = out.contiguous(), dout.contiguous()
     n, m = q.shape[2], k.shape[2]
     if kernel == "flash":
         grads = _aten._scaled_dot_product_flash_attention_backward(
@@ -121,12 +124,21 @@ def _cuda_chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         stats = lse.contiguous().unsqueeze(-1)  # packed (B, h, n, 1): strides (h n, n, 1, 1)
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, stats, seed, offset, None, None, None, n, m, 0.0, False)
-    return tuple(g.contiguous() for g in grads)
+    dq, dk, dv = grads[:3]
+    return _kernel_layout(dq), dk.contiguous(), dv.contiguous()
 
 
 @_cuda_chunk_backward.register_fake
 def _(dout, q, k, v, out, lse, seed, offset, kernel):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _kernel_layout(q.new_empty(q.shape)), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, h, n, d)`` laid out ``(B, n, h, d)`` in memory, as cuDNN and FlashAttention-2 lay out their
+    ``O`` and ``dQ``; ``x`` itself when it is. In that layout the ring's output feeds the projection as a view and
+    meets the model's ``dO`` with the same strides, so no chunk's backward copies either (round 5g found such
+    copies 2.4 ms of a step at ``mp`` cp 2, ``docs/speed.md``)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
@@ -181,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
             auxes.append(aux)
             if s + 1 < size:
                 chunks.append(_finish_pass(pending, _chunk_shape(chunks[s], incoming)))
-        out = q.new_zeros(q.shape) if out is None else out.to(q.dtype)
+        out = _kernel_layout(q.new_zeros(q.shape) if out is None else out.to(q.dtype))
         lse = q.new_zeros(q.shape[:3], dtype=torch.float32) if lse is None else lse  # no queries: unread
         flat, ctx.layout = _flatten_aux(auxes)
         ctx.save_for_backward(q, out, lse, *chunks, *flat)
@@ -249,7 +261,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shapes: Se
     ``q``, ``k``, ``v``: ``(B, h, shapes[r], d)``, this CP rank's tokens, one float dtype (bf16 under autocast:
     ``q``'s dtype is used). ``shapes``: every rank's token count (``compute_split_shapes(N, P)``). ``backend``:
     ``--attention_backend``, which picks the CUDA kernel (:func:`attention_kernel`). Returns ``(B, h,
-    shapes[r], d)`` in ``q``'s dtype, equal to ``F.scaled_dot_product_attention(q, K, V)`` with ``K``, ``V`` the
+    shapes[r], d)`` in ``q``'s dtype, laid out ``(B, shapes[r], h, d)`` in memory as the fused kernels lay out
+    their output, equal to ``F.scaled_dot_product_attention(q, K, V)`` with ``K``, ``V`` the
     concatenation of all ranks' ``k``, ``v`` (within the kernels' rounding); differentiable in ``q``, ``k``,
     ``v``. With ``group`` None or of one rank, ``F.scaled_dot_product_attention(q, k, v)``.
 
