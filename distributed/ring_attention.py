@@ -135,9 +135,9 @@ def _(dout, q, k, v, out, lse, seed, offset, kernel):
 
 def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``(B, h, n, d)`` laid out ``(B, n, h, d)`` in memory, as cuDNN and FlashAttention-2 lay out their
-    ``O`` and ``dQ``; ``x`` itself when it is. In that layout the ring's output feeds the projection as a view and
-    meets the model's ``dO`` with the same strides, so no chunk's backward copies either (round 5g found such
-    copies 2.4 ms of a step at ``mp`` cp 2, ``docs/speed.md``)."""
+    ``O`` and ``dQ``; ``x`` itself when it is. In that layout the ring's output feeds the projection as a view
+    (batch first) and shares the model's ``dO``'s strides, and no chunk's ``dQ`` is copied (round 5g found
+    those copies 2.4 ms of a step at ``mp`` cp 2; round 5aa removed them, ``docs/speed.md``)."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 

@@ -46,8 +46,8 @@ def _case(backend, dtype, compiled, rank, group):
     attend = torch.compile(ring_attention, fullgraph=True) if compiled else ring_attention
     out = attend(*_views(mine), shapes, group, backend)
     out.backward(dout[:, :, start:start + shapes[rank]].to(dtype))
-    # laid out (B, n, h, d) as the kernels lay out O, so the projection reads it as a view and no chunk's
-    # backward copies the model's dO (round 5aa; the merge alone returns (B, h, n, d) on CUDA)
+    # laid out (B, n, h, d) as the kernels lay out O and dQ, so the projection reads it as a view and no
+    # chunk's backward copies O or dQ (round 5aa; the merge alone returns (B, h, n, d) on CUDA)
     assert out.transpose(1, 2).is_contiguous(), f"{backend} {dtype}: the ring's output strides {out.stride()}"
     want_out = F.scaled_dot_product_attention(*_views(qkv))[:, :, start:start + shapes[rank]]
     tag = f"{backend} {dtype} {'compiled' if compiled else 'eager'}"
