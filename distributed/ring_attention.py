@@ -124,7 +124,7 @@ def _cuda_chunk_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         stats = lse.contiguous().unsqueeze(-1)  # packed (B, h, n, 1): strides (h n, n, 1, 1)
         grads = _aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, stats, seed, offset, None, None, None, n, m, 0.0, False)
-    dq, dk, dv = grads[:3]
+    dq, dk, dv = grads
     return _kernel_layout(dq), dk.contiguous(), dv.contiguous()
 
 
