@@ -1,7 +1,8 @@
 """Async TP on 2 GPUs (skipped with fewer): inductor's micro-pipeline TP really fuses our sequence-parallel
-linears' collectives into ``torch.ops.symm_mem`` kernels, and the fused model computes what the chunked path
-computes. The CPU suite checks that the compiled graphs hold the pairs the pass fuses
-(``tests/multiprocess/test_async_tp.py``); only here does the fusion itself run (NCCL, symmetric memory).
+linears' collectives into ``torch.ops.symm_mem`` kernels, the fused model computes what the chunked path
+computes, and our kernel of the fused reduce-scatter returns torch's kernel's result to the bit. The CPU suite
+checks that the compiled graphs hold the pairs the pass fuses (``tests/multiprocess/test_async_tp.py``); only here
+does the fusion itself run (NCCL, symmetric memory).
 
 The two ranks are the gloo ranks of ``tests/dist_utils.py``, with an NCCL group of their own for the model.
 NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` where it is set): the fused all-gather and
@@ -18,6 +19,7 @@ from torch._inductor.utils import run_and_get_code
 import torch._inductor.config as inductor_config
 from torch.distributed.device_mesh import DeviceMesh
 
+import distributed.async_tp as async_tp
 from distributed.async_tp import enable_async_tp, use_plain_collectives
 from distributed.tensor_parallel import apply_tensor_context_parallel
 from networks.vit import VisionTransformer
@@ -66,6 +68,22 @@ def _fused_worker(rank, world):
     torch.testing.assert_close(out, want, atol=REL * want.abs().max().item(), rtol=REL)
     off = _mismatches(fused, chunked)
     assert not off, f"async TP's gradients are off eager's: {off}; compiled without the pass: {_mismatches(plain, chunked)}"
+    _reduce_scatter_is_torchs(rank, tp.get_group().group_name)
+
+
+def _reduce_scatter_is_torchs(rank, group):
+    """Our CUDA kernel of ``fused_matmul_reduce_scatter`` (registered by ``enable_async_tp``) against torch's,
+    in bf16 at mp's width: scattered along the tokens first (as our sequence-parallel linears do), and along a
+    second dim with A laid out as Inductor restrides it (tokens first) and contiguous."""
+    assert "distributed/async_tp.py" in torch._C._dispatch_dump("symm_mem::fused_matmul_reduce_scatter")
+    torch.manual_seed(rank)
+    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    tokens_first = torch.randn(256, 4, 512, device="cuda", dtype=torch.bfloat16)
+    for a, dim, shape in ((tokens_first, 0, (128, 4, 1024)), (tokens_first.movedim(0, 1), 1, (4, 128, 1024)),
+                          (tokens_first.movedim(0, 1).contiguous(), 1, (4, 128, 1024))):
+        ours = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", dim, group)
+        torchs = async_tp._TORCH_KERNEL(a, w, "sum", dim, group)
+        assert ours.shape == shape and ours.is_contiguous() and torch.equal(ours, torchs), (dim, a.stride())
 
 
 def fused_on_two_gpus(workdir, data) -> None:

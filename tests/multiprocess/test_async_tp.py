@@ -8,6 +8,9 @@
   ``find_reduce_scatter_patterns`` and the checks of ``fuse_*``). The fusion itself needs NCCL and symmetric
   memory: on the CPU the pass finds the pairs and leaves them.
 * The config errors of a bad combination, and the refusals of :func:`use_plain_collectives`.
+* Our reduce-scatter kernel's sum of two partials (:func:`sum_two_partials`) is the reduce-scatter's result,
+  bitwise, and :func:`enable_async_tp` registers the kernel. It runs on 2 GPUs only
+  (``tests/gpu/test_async_tp_fusion.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import distributed.sequence_parallel as sp
-from distributed.async_tp import enable_async_tp, use_plain_collectives
+from distributed.async_tp import enable_async_tp, sum_two_partials, use_plain_collectives
 from distributed.tensor_parallel import apply_tensor_context_parallel, checkpoint_views
 from networks.vit import VisionTransformer
 from tests.dist_utils import run_distributed
@@ -122,10 +125,28 @@ def _equal_worker(rank, world):
         enable_async_tp(plain, announce=True)
     assert inductor_config._micro_pipeline_tp and is_symm_mem_enabled_for_group(tp.get_group().group_name)
     assert [r.getMessage().split(":")[0] for r in said] == ["async TP"]
+    cuda = [line for line in torch._C._dispatch_dump("symm_mem::fused_matmul_reduce_scatter").splitlines()
+            if line.startswith("CUDA: ")]  # the active kernel ("CUDA (inactive): " for torch's own)
+    assert len(cuda) == 1 and "/distributed/async_tp.py:" in cuda[0], cuda
 
 
 def test_one_piece_path_equals_chunked_and_one_process():
     run_distributed(_equal_worker, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_sum_of_two_partials_is_the_reduce_scatter(scatter_dim, dtype):
+    """Two ranks' partial products P_r of a (3, 4, N) output, laid out as the peer exchange stacks them: the
+    sum of each shard is the reduce-scatter's shard, to the bit (bf16 rounded once), contiguous."""
+    torch.manual_seed(0)
+    partials = [torch.randn(6, 4, 8, 5, dtype=dtype) for _ in range(2)]
+    for shard in range(2):
+        rows = [p.movedim(scatter_dim, 0).chunk(2)[shard] for p in partials]
+        stacked = torch.cat([r.flatten(0, -2) for r in rows])
+        got = sum_two_partials(stacked, tuple(rows[0].shape[:-1]), scatter_dim)
+        want = (partials[0] + partials[1]).chunk(2, dim=scatter_dim)[shard]
+        assert got.is_contiguous() and torch.equal(got, want), (shard, (got - want).abs().max())
 
 
 class _FusiblePairs(CustomGraphPass):
