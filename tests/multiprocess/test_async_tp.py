@@ -9,7 +9,7 @@
   memory: on the CPU the pass finds the pairs and leaves them.
 * The config errors of a bad combination, and the refusals of :func:`use_plain_collectives`.
 * Our reduce-scatter kernel's sum of two partials (:func:`sum_two_partials`) is the reduce-scatter's result,
-  bitwise, and :func:`enable_async_tp` registers the kernel. It runs on 2 GPUs only
+  bitwise, and :func:`enable_async_tp` registers the kernel. The kernel itself runs on 2 GPUs only
   (``tests/gpu/test_async_tp_fusion.py``).
 """
 
@@ -137,7 +137,7 @@ def test_one_piece_path_equals_chunked_and_one_process():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scatter_dim", [0, 1])
 def test_sum_of_two_partials_is_the_reduce_scatter(scatter_dim, dtype):
-    """Two ranks' partial products P_r of a (3, 4, N) output, laid out as the peer exchange stacks them: the
+    """Two ranks' partial products P_r of a (6, 4, 8, N) output, laid out as the peer exchange stacks them: the
     sum of each shard is the reduce-scatter's shard, to the bit (bf16 rounded once), contiguous."""
     torch.manual_seed(0)
     partials = [torch.randn(6, 4, 8, 5, dtype=dtype) for _ in range(2)]
